@@ -1,0 +1,1 @@
+"""torchtune_dtf: routed (MoD, SDT, STT) Qwen2.5 models for torchtune."""

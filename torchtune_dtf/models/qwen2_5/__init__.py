@@ -1,0 +1,3 @@
+from torchtune_dtf.models.qwen2_5._component_builders import lora_routed_qwen2, routed_qwen2
+from torchtune_dtf.models.qwen2_5._model_builders import *  # noqa: F401,F403  (the builder names)
+from torchtune_dtf.models.qwen2_5._model_builders import QWEN2_5_SHAPES

@@ -1,0 +1,169 @@
+"""Validation of routing hyperparameters (DESIGN §3.10, spec §7).
+
+There are no defaults in code: a builder receives every routing hyperparameter from its config, and
+:func:`validate_routing` reports every missing, unknown or invalid value in one error before anything
+is built.
+"""
+
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+VARIANTS = ("dense", "mod", "sdt", "stt")
+
+#: Keys every routed variant needs.
+COMMON_KEYS = (
+    "routed_layers",
+    "capacity",
+    "student_routing_mode",
+    "student_threshold",
+    "causal_router_input",
+    "causal_router_hidden_dim",
+    "routing_init_std",
+)
+#: Extra keys of the surprise-routed variants (SDT, STT).
+SURPRISE_KEYS = ("prior_factor", "ma_window", "o_ce_init", "m_cu_init", "teacher_selection", "gate_threshold")
+
+REQUIRED_KEYS = {
+    "dense": (),
+    "mod": COMMON_KEYS,
+    "sdt": COMMON_KEYS + SURPRISE_KEYS,
+    "stt": COMMON_KEYS + SURPRISE_KEYS,
+}
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """Validated routing hyperparameters of one model (see :func:`validate_routing`).
+
+    ``routed_layers`` is resolved to explicit indices and ``capacity`` to one γ per routed layer.
+    """
+
+    variant: str
+    routed_layers: List[int]
+    capacity: List[float]
+    student_routing_mode: Optional[str] = None
+    student_threshold: Optional[float] = None
+    causal_router_input: Optional[str] = None
+    causal_router_hidden_dim: Optional[int] = None
+    routing_init_std: Optional[float] = None
+    prior_factor: Optional[float] = None
+    ma_window: Optional[int] = None
+    o_ce_init: Optional[float] = None
+    m_cu_init: Optional[float] = None
+    teacher_selection: Optional[str] = None
+    gate_threshold: Optional[float] = None
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _resolve_layers(value: Union[str, Sequence[int]], num_layers: int, problems: List[str]) -> List[int]:
+    if value == "every_other":
+        return list(range(1, num_layers, 2))
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(_is_int(i) for i in value):
+        problems.append(f"routed_layers must be 'every_other' or a list of layer indices, got {value!r}")
+        return []
+    layers = sorted(int(i) for i in value)
+    if len(set(layers)) != len(layers):
+        problems.append(f"routed_layers has duplicates: {list(value)}")
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        problems.append(f"routed_layers {bad} are outside [0, {num_layers})")
+    return layers
+
+
+def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSpec:
+    """Check a variant's routing hyperparameters and resolve them.
+
+    Args:
+        variant (str): one of ``dense``, ``mod``, ``sdt``, ``stt``.
+        num_layers (int): number of decoder layers of the model.
+        **routing: the hyperparameters (see ``REQUIRED_KEYS``).
+
+    Returns:
+        RoutingSpec: the resolved specification.
+
+    Raises:
+        ValueError: listing every problem found (unknown variant, missing or unknown keys, invalid values).
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"Invalid routing configuration:\n  - unknown variant {variant!r}; expected one of {VARIANTS}")
+    required = REQUIRED_KEYS[variant]
+    problems: List[str] = []
+    missing = [key for key in required if key not in routing]
+    if missing:
+        problems.append(f"missing required routing hyperparameter(s) for variant '{variant}': {', '.join(missing)}")
+    unknown = sorted(set(routing) - set(required))
+    if unknown:
+        problems.append(f"unknown routing hyperparameter(s) for variant '{variant}': {', '.join(unknown)}")
+    if variant == "dense":
+        if problems:
+            raise ValueError("Invalid routing configuration:\n  - " + "\n  - ".join(problems))
+        return RoutingSpec(variant=variant, routed_layers=[], capacity=[])
+
+    values: Dict[str, Any] = {key: routing.get(key) for key in required}
+    layers = _resolve_layers(values["routed_layers"], num_layers, problems) if "routed_layers" in routing else []
+    if variant == "sdt":
+        for i in layers:
+            if i == 0 or (i - 1) in layers:
+                problems.append(
+                    f"SDT routed layer {i} needs a Decision layer before it (layer {i - 1} must exist and not be routed)"
+                )
+
+    capacity = values["capacity"]
+    capacities: List[float] = []
+    if "capacity" in routing:
+        as_list = list(capacity) if isinstance(capacity, Sequence) and not isinstance(capacity, str) else [capacity]
+        if not all(_is_real(c) and 0 < c <= 1 for c in as_list):
+            problems.append(f"capacity must be in (0, 1] (one value, or one per routed layer), got {capacity!r}")
+        elif len(as_list) == 1:
+            capacities = [float(as_list[0])] * len(layers)
+        elif len(as_list) != len(layers):
+            problems.append(f"capacity lists {len(as_list)} values but there are {len(layers)} routed layers")
+        else:
+            capacities = [float(c) for c in as_list]
+
+    mode = values["student_routing_mode"]
+    if "student_routing_mode" in routing and mode not in ("threshold", "topk"):
+        problems.append(f"unknown student_routing_mode {mode!r}; expected 'threshold' or 'topk'")
+    threshold = values["student_threshold"]
+    if mode == "threshold" and "student_threshold" in routing and not (_is_real(threshold) and 0 <= threshold < 1):
+        problems.append(f"student_threshold must be in [0, 1) for threshold routing, got {threshold!r}")
+    if "causal_router_input" in routing and values["causal_router_input"] not in ("current", "current_previous"):
+        problems.append(
+            f"unknown causal_router_input {values['causal_router_input']!r}; expected 'current' or 'current_previous'"
+        )
+    hidden = values["causal_router_hidden_dim"]
+    if "causal_router_hidden_dim" in routing and not (_is_int(hidden) and hidden > 0):
+        problems.append(f"causal_router_hidden_dim must be a positive integer, got {hidden!r}")
+    std = values["routing_init_std"]
+    if "routing_init_std" in routing and not (_is_real(std) and std > 0):
+        problems.append(f"routing_init_std must be positive, got {std!r}")
+
+    if variant in ("sdt", "stt"):
+        factor = values["prior_factor"]
+        if "prior_factor" in routing and not (_is_real(factor) and 0 < factor <= 1):
+            problems.append(f"prior_factor must be in (0, 1], got {factor!r}")
+        window = values["ma_window"]
+        if "ma_window" in routing and not (_is_int(window) and window >= 1):
+            problems.append(f"ma_window must be a positive integer (tokens), got {window!r}")
+        for key in ("o_ce_init", "m_cu_init"):
+            if key in routing and not (_is_real(values[key]) and values[key] > 0):
+                problems.append(f"{key} must be positive, got {values[key]!r}")
+        selection = values["teacher_selection"]
+        if "teacher_selection" in routing and selection not in ("topk", "threshold"):
+            problems.append(f"unknown teacher_selection {selection!r}; expected 'topk' or 'threshold'")
+        g_th = values["gate_threshold"]
+        if selection == "threshold" and "gate_threshold" in routing and not (_is_real(g_th) and 0 < g_th < 1):
+            problems.append(f"gate_threshold must be in (0, 1) for threshold selection, got {g_th!r}")
+
+    if problems:
+        raise ValueError("Invalid routing configuration:\n  - " + "\n  - ".join(problems))
+    values.update(routed_layers=layers, capacity=capacities)
+    return RoutingSpec(variant=variant, **values)

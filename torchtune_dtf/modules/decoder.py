@@ -1,0 +1,72 @@
+"""A torchtune ``TransformerDecoder`` that threads a :class:`RoutingContext` through routed layers.
+
+It stays a drop-in ``TransformerDecoder`` for every torchtune caller (generation, eleuther_eval,
+chunked-output losses, cache helpers): ``model(tokens, mask=..., input_pos=...)`` returns logits and runs
+student (inference) routing. Trainers additionally pass ``routing=RoutingContext(mode="teacher",
+beta_ce=..., beta_cu=...)`` and read each routed layer's :class:`LayerRouting` from it afterwards.
+"""
+
+from typing import Dict, List, Optional, Union
+
+import torch
+from torchtune.modules import TransformerDecoder
+
+from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
+
+
+class RoutedTransformerDecoder(TransformerDecoder):
+    """
+    Args:
+        variant (str): ``"dense"``, ``"mod"``, ``"sdt"`` or ``"stt"`` (informational; used by tooling).
+        routing_layer_indices (List[int]): indices of layers whose forward takes ``routing=`` (routed
+            layers and SDT Decision layers). Recorded at build time because wrappers applied later
+            (activation checkpointing, FSDP, compile) hide the layer classes.
+        **kwargs: :class:`torchtune.modules.TransformerDecoder` arguments.
+    """
+
+    def __init__(self, *, variant: str, routing_layer_indices: List[int], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.variant = variant
+        self.routing_layer_indices = sorted(routing_layer_indices)
+        self._routing_layers = set(self.routing_layer_indices)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        encoder_input: Optional[torch.Tensor] = None,
+        encoder_mask: Optional[torch.Tensor] = None,
+        input_pos: Optional[torch.Tensor] = None,
+        routing: Optional[RoutingContext] = None,
+    ) -> Union[torch.Tensor, List[torch.Tensor]]:
+        """
+        Args:
+            tokens (torch.Tensor): ``[b, s]`` token ids.
+            mask, encoder_input, encoder_mask, input_pos: as in ``TransformerDecoder.forward``.
+            routing (Optional[RoutingContext]): routing mode and β for this forward, and where routed
+                layers record their statistics. Student mode when None.
+
+        Returns:
+            Logits ``[b, s, v]`` (or a list of chunks / hidden states, as torchtune's decoder).
+        """
+        self._validate_inputs(
+            tokens.shape[1], mask=mask, encoder_input=encoder_input, encoder_mask=encoder_mask, input_pos=input_pos
+        )
+        routing = routing if routing is not None else RoutingContext(mode="student")
+        h = self.tok_embeddings(tokens)
+        hidden = []
+        for i, layer in enumerate(self.layers):
+            if i in self.output_hidden_states:
+                hidden.append(h)
+            if i in self._routing_layers:
+                h = layer(h, mask=mask, input_pos=input_pos, routing=routing)
+            else:
+                h = layer(h, mask=mask, encoder_input=encoder_input, encoder_mask=encoder_mask, input_pos=input_pos)
+        output = self.unembed(h)
+        return output if not hidden else [*hidden, output]
+
+    @staticmethod
+    def layer_records(routing: RoutingContext) -> Dict[int, LayerRouting]:
+        """Routed layers' records of one forward, in layer order."""
+        return dict(sorted(routing.layers.items()))

@@ -1,0 +1,342 @@
+"""Routed decoder layers: MoD, SDT (Decision + Dynamic) and STT.
+
+Each routed layer *is* a ``TransformerSelfAttentionLayer`` — torchtune dispatches on that class for KV
+caches, activation checkpointing, compile and FSDP wrapping — so its block weights keep the dense key
+names (``layers.3.attn.q_proj.weight``) and a stock checkpoint maps 1:1. The routing modules are extra
+children: ``mod_router``, ``causal_router``, ``transition`` (TPN), ``prior_ffn``, ``predictive_router``.
+
+What differs between variants is only how the teacher decides (selection and gate); execution is the
+shared :func:`routed_block_forward`, and the student (causal router) is the same everywhere.
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
+
+from torchtune_dtf.modules.predictors import ResidualPredictor
+from torchtune_dtf.modules.routed_block import routed_block_forward
+from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, previous_token_states
+from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
+from torchtune_dtf.modules.selection import (
+    Selection,
+    batch_topk_rows,
+    mask_selection,
+    topk_selection,
+)
+from torchtune_dtf.modules.selective_kv_cache import SelectiveKVCache
+from torchtune_dtf.modules.surprise import PredictiveRouter, change_surprise, static_surprise
+
+# Child-module names that hold routing parameters (everything else is the pretrained backbone).
+ROUTING_MODULE_NAMES = ("mod_router", "causal_router", "transition", "prior_ffn", "predictive_router")
+STUDENT_ROUTING_MODES = ("threshold", "topk")
+TEACHER_SELECTIONS = ("topk", "threshold")
+
+
+def token_positions(
+    input_pos: Optional[torch.Tensor], batch: int, seq_len: int, offset: int, device: torch.device
+) -> torch.Tensor:
+    """Position ids ``[b, s]`` from torchtune's ``input_pos`` (``None``, ``[s]``, ``[b]`` when decoding
+    one token, or ``[b, s]``)."""
+    if input_pos is None:
+        return (offset + torch.arange(seq_len, device=device)).expand(batch, seq_len)
+    if input_pos.dim() <= 1:
+        input_pos = input_pos.view(-1, 1) if seq_len == 1 else input_pos.view(1, -1)
+    return input_pos.expand(batch, seq_len)
+
+
+def _dense_forward(layer: TransformerSelfAttentionLayer, x, mask, input_pos) -> torch.Tensor:
+    return TransformerSelfAttentionLayer.forward(layer, x, mask=mask, input_pos=input_pos)
+
+
+class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
+    """Base of the routed layers: student routing, the selective cache, execution and bookkeeping.
+
+    Args:
+        attn, mlp, sa_norm, mlp_norm: the block, exactly as in the dense layer.
+        layer_idx (int): index of this layer in the decoder (key of its :class:`LayerRouting`).
+        capacity (float): γ ∈ (0, 1]; teacher top-k keeps floor(γ·s) tokens per row.
+        causal_router (CausalRouter): the student.
+        student_routing_mode (str): ``"threshold"`` (σ(r̃) > τ, causal; evaluation) or ``"topk"``
+            (per-sequence top-k on prefill, per-step top floor(γ·b) rows when decoding; DESIGN §4).
+        student_threshold (Optional[float]): τ for threshold mode.
+    """
+
+    def __init__(
+        self,
+        attn: MultiHeadAttention,
+        mlp: nn.Module,
+        *,
+        sa_norm: nn.Module,
+        mlp_norm: nn.Module,
+        layer_idx: int,
+        capacity: float,
+        causal_router: CausalRouter,
+        student_routing_mode: str,
+        student_threshold: Optional[float],
+    ) -> None:
+        super().__init__(attn=attn, mlp=mlp, sa_norm=sa_norm, mlp_norm=mlp_norm)
+        if student_routing_mode not in STUDENT_ROUTING_MODES:
+            raise ValueError(f"Unknown student_routing_mode {student_routing_mode!r}")
+        self.layer_idx = layer_idx
+        self.capacity = capacity
+        self.causal_router = causal_router
+        self.student_routing_mode = student_routing_mode
+        self.student_threshold = student_threshold
+
+    # -- caches ---------------------------------------------------------------------------------
+    def setup_caches(
+        self, batch_size: int, dtype: torch.dtype, *, encoder_max_seq_len: int, decoder_max_seq_len: int
+    ) -> None:
+        """Give this layer a :class:`SelectiveKVCache` instead of torchtune's shared-position cache."""
+        attn = self.attn
+        attn.kv_cache = SelectiveKVCache(
+            batch_size=batch_size,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            max_seq_len=decoder_max_seq_len,
+            embed_dim=attn.embed_dim,
+            dtype=dtype,
+        )
+        attn.cache_enabled = True
+
+    def _active_cache(self) -> Optional[SelectiveKVCache]:
+        return self.attn.kv_cache if (self.attn.kv_cache is not None and self.attn.cache_enabled) else None
+
+    # -- decisions ------------------------------------------------------------------------------
+    def num_selected(self, seq_len: int) -> int:
+        return int(math.floor(self.capacity * seq_len))
+
+    def student_logits(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: Optional[SelectiveKVCache]
+    ) -> torch.Tensor:
+        """Causal router logits ``[b, s]`` from detached inputs (the student never trains the backbone)."""
+        x_in = x.detach()
+        previous = None
+        if self.causal_router.use_previous_token:
+            previous = previous_token_states(x_in, positions, None if cache is None else cache.last_input)
+        return self.causal_router(x_in, previous)
+
+    def student_selection(
+        self, logits: torch.Tensor, cache: Optional[SelectiveKVCache]
+    ) -> Selection:
+        if self.student_routing_mode == "threshold":
+            return mask_selection(torch.sigmoid(logits) > self.student_threshold)
+        if cache is not None and logits.shape[1] == 1:
+            return mask_selection(batch_topk_rows(logits[:, 0], self.capacity))
+        return topk_selection(logits, self.num_selected(logits.shape[1]))
+
+    def teacher_route(
+        self, x, *, mask, input_pos, positions, routing: RoutingContext, record: LayerRouting
+    ) -> Tuple[Selection, Optional[torch.Tensor]]:
+        """Variant-specific teacher decision: (selection, gate ``[b, s]``). Fills ``record``."""
+        raise NotImplementedError
+
+    def student_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Gate applied at inference; None (= 1) unless the variant's gate is causal."""
+        return None
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        input_pos: Optional[torch.Tensor] = None,
+        routing: Optional[RoutingContext] = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """
+        Args:
+            x (torch.Tensor): ``[b, s, d]``.
+            mask (Optional[torch.Tensor]): torchtune boolean mask ``[b, s, s]`` or, with caches,
+                ``[b, s, max_cache_len]``.
+            input_pos (Optional[torch.Tensor]): position ids (see :func:`token_positions`).
+            routing (Optional[RoutingContext]): mode, β and the place to record statistics;
+                student mode when None.
+
+        Returns:
+            torch.Tensor: ``[b, s, d]``.
+        """
+        routing = routing if routing is not None else RoutingContext(mode="student")
+        batch, seq_len, _ = x.shape
+        cache = self._active_cache()
+        offset = 0 if cache is None else int(cache.seen)
+        positions = token_positions(input_pos, batch, seq_len, offset, x.device)
+        logits = self.student_logits(x, positions, cache)
+        record = LayerRouting(student_logits=logits)
+
+        if routing.mode == "teacher":
+            if cache is not None:
+                raise RuntimeError("Teacher routing is for training; disable or delete the KV caches first")
+            selection, gate = self.teacher_route(
+                x, mask=mask, input_pos=input_pos, positions=positions, routing=routing, record=record
+            )
+            record.teacher_mask = selection.mask
+            record.causal_loss = F.binary_cross_entropy_with_logits(logits.float(), selection.mask.float())
+        else:
+            selection = self.student_selection(logits, cache)
+            gate = self.student_gate(x)
+
+        out = routed_block_forward(
+            self,
+            x,
+            selection,
+            gate if routing.apply_gate else None,
+            positions=positions,
+            mask=mask,
+            cache=cache,
+        )
+        if cache is not None:
+            cache.last_input.copy_(x[:, -1].detach())
+            cache.seen += seq_len
+        record.selected_mask = selection.mask
+        routing.layers[self.layer_idx] = record
+        return out
+
+
+class MoDLayer(RoutedSelfAttentionLayer):
+    """Mixture-of-Depths layer: top-k of a linear router's scores, update scaled by σ(r) (paper eq. 4).
+
+    Args:
+        mod_router (MoDRouter): r_t = w·x_t.
+        **kwargs: see :class:`RoutedSelfAttentionLayer`.
+    """
+
+    def __init__(self, attn, mlp, *, mod_router: MoDRouter, **kwargs) -> None:
+        super().__init__(attn, mlp, **kwargs)
+        self.mod_router = mod_router
+
+    def teacher_route(self, x, *, mask, input_pos, positions, routing, record):
+        scores = self.mod_router(x)
+        record.router_logits = scores
+        return topk_selection(scores, self.num_selected(x.shape[1])), torch.sigmoid(scores)
+
+    def student_gate(self, x):
+        # The MoD router is per-token, hence causal: its gate is available at inference too.
+        return torch.sigmoid(self.mod_router(x))
+
+
+class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):
+    """Shared teacher logic of SDT Dynamic and STT layers: surprise → g → selection.
+
+    Args:
+        predictive_router (PredictiveRouter): o_ce, m_cu, MA window.
+        teacher_selection (str): ``"topk"`` (fixed capacity) or ``"threshold"`` (g ≥ g_th, dynamic capacity).
+        gate_threshold (Optional[float]): g_th for threshold selection.
+    """
+
+    def __init__(
+        self,
+        attn,
+        mlp,
+        *,
+        predictive_router: PredictiveRouter,
+        teacher_selection: str,
+        gate_threshold: Optional[float],
+        **kwargs,
+    ) -> None:
+        super().__init__(attn, mlp, **kwargs)
+        if teacher_selection not in TEACHER_SELECTIONS:
+            raise ValueError(f"Unknown teacher_selection {teacher_selection!r}")
+        self.predictive_router = predictive_router
+        self.teacher_selection = teacher_selection
+        self.gate_threshold = gate_threshold
+
+    def residuals(self, x, *, mask, input_pos, positions, routing) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(true residual Δx without gradient, predicted residual Δx̂), each ``[b, s, d]``."""
+        raise NotImplementedError
+
+    def teacher_route(self, x, *, mask, input_pos, positions, routing, record):
+        beta_ce, beta_cu = routing.betas()
+        delta, predicted = self.residuals(x, mask=mask, input_pos=input_pos, positions=positions, routing=routing)
+        d_st = static_surprise(delta)
+        d_ch = change_surprise(delta, predicted)
+        surprise = self.predictive_router(d_st, d_ch, beta_ce, beta_cu)
+        if self.teacher_selection == "topk":
+            selection = topk_selection(surprise.g, self.num_selected(x.shape[1]))
+        else:
+            selection = mask_selection(surprise.g.detach() >= self.gate_threshold)
+        record.d_st, record.d_ch = d_st, d_ch
+        record.ce, record.cu, record.s_ce, record.s_cu, record.g = (
+            surprise.ce, surprise.cu, surprise.s_ce, surprise.s_cu, surprise.g,
+        )
+        record.o_ce = self.predictive_router.o_ce.detach()
+        record.m_cu = self.predictive_router.m_cu.detach()
+        # MSE(Δx̂, stop_grad(Δx)) averaged over d and tokens is the mean change surprise.
+        record.pred_loss = d_ch.mean()
+        record.g_mean = surprise.g.mean()
+        return selection, surprise.g
+
+
+class STTLayer(_SurpriseRoutedLayer):
+    """Subjective Timescale layer (paper §3.2; spec §4; DESIGN §3.6).
+
+    Teacher: a dense pass of the block without gradient gives Δx_t; the TPN predicts it from the previous
+    token's dense output state x_{t−1}^(l) (x_0 = 0); surprise → g → top-k (or g ≥ g_th); the block then
+    runs on the selected tokens only and the LM loss flows through that routed pass ("mixed mode").
+
+    Args:
+        transition (ResidualPredictor): the TPN.
+        **kwargs: see :class:`_SurpriseRoutedLayer`.
+    """
+
+    def __init__(self, attn, mlp, *, transition: ResidualPredictor, **kwargs) -> None:
+        super().__init__(attn, mlp, **kwargs)
+        self.transition = transition
+
+    def residuals(self, x, *, mask, input_pos, positions, routing):
+        with torch.no_grad():
+            dense_out = _dense_forward(self, x, mask, input_pos)
+            delta = dense_out - x
+        predicted = self.transition(previous_token_states(dense_out, positions))
+        return delta, predicted
+
+
+class SDTDynamicLayer(_SurpriseRoutedLayer):
+    """SDT Dynamic layer (paper §3.1.2): routes its own block with g computed from the residuals that the
+    preceding :class:`SDTDecisionLayer` produced."""
+
+    def residuals(self, x, *, mask, input_pos, positions, routing):
+        if self.layer_idx not in routing.decision_states:
+            raise RuntimeError(
+                f"SDT Dynamic layer {self.layer_idx} found no Decision-layer states; layer {self.layer_idx - 1} "
+                "must be an SDTDecisionLayer run with the same RoutingContext"
+            )
+        return routing.decision_states[self.layer_idx]
+
+
+class SDTDecisionLayer(TransformerSelfAttentionLayer):
+    """SDT Decision layer (paper §3.1.1): a full standard block plus a PriorFFN.
+
+    In teacher mode it hands the Dynamic layer at ``layer_idx + 1`` the true residual
+    Δx = x_post − x_orig (no gradient; the backbone is not pulled by routing) and the prior's prediction
+    Δx̂ = PriorFFN(x_orig) (eq. 7). In student mode it is exactly the standard layer.
+
+    Args:
+        prior_ffn (ResidualPredictor): the PriorFFN.
+        layer_idx (int): index of this layer.
+    """
+
+    def __init__(self, attn, mlp, *, sa_norm, mlp_norm, prior_ffn: ResidualPredictor, layer_idx: int) -> None:
+        super().__init__(attn=attn, mlp=mlp, sa_norm=sa_norm, mlp_norm=mlp_norm)
+        self.prior_ffn = prior_ffn
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        input_pos: Optional[torch.Tensor] = None,
+        routing: Optional[RoutingContext] = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        out = super().forward(x, mask=mask, input_pos=input_pos)
+        if routing is not None and routing.mode == "teacher":
+            delta = (out - x).detach()
+            routing.decision_states[self.layer_idx + 1] = (delta, self.prior_ffn(x.detach()))
+        return out

@@ -1,0 +1,69 @@
+"""Residual predictors: the SDT PriorFFN and the STT Transition Network (TPN).
+
+Both predict a transformer block's residual update Δx from a single state vector:
+
+* PriorFFN (paper §3.1.1, eq. 7): Δx̂_t = PriorFFN(x_t^(l-1)) — a spatial prior from the block's own input.
+* TPN (paper §3.2, eq. 10; spec §4.2): Δx̂_t = TPN(x_{t-1}^(l)) — a temporal prior from the previous
+  token's output state at the same layer (x_0 = 0).
+
+They share one architecture (DESIGN §3.3): input RMSNorm, then a bias-free SwiGLU MLP like Qwen's,
+with intermediate width d_i = max(2, ceil(f·d)) rounded up to an even number, weights N(0, std²).
+"""
+
+import math
+
+from typing import List
+
+import torch
+from torch import nn
+from torchtune.modules import RMSNorm
+
+
+def predictor_width(prior_factor: float, embed_dim: int) -> int:
+    """Intermediate width of a residual predictor: max(2, ceil(f·d)) rounded up to even.
+
+    >>> predictor_width(0.0625, 896)
+    56
+    """
+    width = max(2, math.ceil(prior_factor * embed_dim))
+    return width + (width % 2)
+
+
+class ResidualPredictor(nn.Module):
+    """RMSNorm → SwiGLU MLP (no biases) predicting a residual update.
+
+    Args:
+        embed_dim (int): model width d.
+        hidden_dim (int): intermediate width d_i (see :func:`predictor_width`).
+        norm_eps (float): RMSNorm epsilon.
+        init_std (float): standard deviation of the normal initialisation of the three projections.
+
+    Shapes: input ``[..., d]`` → output ``[..., d]``.
+    """
+
+    def __init__(self, embed_dim: int, hidden_dim: int, norm_eps: float, init_std: float) -> None:
+        super().__init__()
+        self.init_std = init_std
+        self.norm = RMSNorm(embed_dim, eps=norm_eps)
+        self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=False)
+        self.reset_parameters()
+
+    def adapter_params(self) -> List[str]:
+        """Every routing parameter is trainable in LoRA models (torchtune's ``get_adapter_params`` hook)."""
+        return [name for name, _ in self.named_parameters()]
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.norm.scale)
+        for proj in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(proj.weight, mean=0.0, std=self.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+# The two names the papers use; the architecture is the same, only the input differs.
+PriorFFN = ResidualPredictor
+TransitionNetwork = ResidualPredictor

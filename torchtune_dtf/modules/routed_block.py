@@ -1,0 +1,160 @@
+"""Run a torchtune ``TransformerSelfAttentionLayer``'s weights on a selection of tokens.
+
+This is the one executor every variant shares (DESIGN §9): the variants differ only in how they decide
+(selection, gate). For each batch row it
+
+1. gathers the selected tokens in time order (``[b, k, d]``), keeping their original positions for RoPE;
+2. runs pre-norm attention where a selected token attends only to selected tokens of the same row at or
+   before it (skipped tokens are neither keys nor values here; rows never see each other — DESIGN §3.7);
+   with a :class:`SelectiveKVCache`, the gathered tokens' K/V are appended to the row's cache first and
+   the queries attend over the row's stored entries;
+3. runs the MLP, and forms the block's update Δ = attn_out + mlp_out;
+4. scales Δ by the gate (attention and MLP together, DESIGN §3.5) and adds it back at the selected
+   positions: x_t ← x_t + g_t·Δ_t; skipped tokens pass unchanged.
+
+Only the selected tokens are computed, so the work is k/s of the dense block's linear work and (k/s)² of
+its attention scores.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from torchtune_dtf.modules.selection import Selection, gather_tokens, scatter_updates
+from torchtune_dtf.modules.selective_kv_cache import SelectiveKVCache
+
+
+def _project_heads(layer: TransformerSelfAttentionLayer, h: torch.Tensor, positions: torch.Tensor):
+    """q ``[b, n_h, k, h_d]``, k and v ``[b, n_kv, k, h_d]`` for normed inputs ``h [b, k, d]``."""
+    attn = layer.attn
+    b, k, _ = h.shape
+    q = attn.q_proj(h).view(b, k, attn.num_heads, attn.head_dim)
+    key = attn.k_proj(h).view(b, k, attn.num_kv_heads, attn.head_dim)
+    value = attn.v_proj(h).view(b, k, attn.num_kv_heads, attn.head_dim)
+    if attn.pos_embeddings is not None:
+        q = attn.pos_embeddings(q, input_pos=positions)
+        key = attn.pos_embeddings(key, input_pos=positions)
+    q, key, value = q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if attn.q_norm is not None:
+        q = attn.q_norm(q)
+    if attn.k_norm is not None:
+        key = attn.k_norm(key)
+    return q, key, value
+
+
+def _attention_mask(
+    mask: Optional[torch.Tensor],
+    query_index: torch.Tensor,
+    query_slots: torch.Tensor,
+    key_slots: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Boolean mask ``[r, 1, k, n]`` (True = attend) for gathered queries over gathered/cached keys.
+
+    Args:
+        mask: the caller's mask ``[r, s, L]`` over the current chunk's tokens and layout slots, or None for
+            plain causality by slot.
+        query_index: ``[r, k]`` index of each query inside the current chunk.
+        query_slots: ``[r, k]`` layout slot of each query.
+        key_slots: ``[r, n]`` layout slot of each key.
+        key_valid: ``[r, n]`` False for keys that do not exist (padding), or None.
+    """
+    if mask is None:
+        allowed = key_slots[:, None, :] <= query_slots[:, :, None]
+    else:
+        rows_of_queries = torch.gather(mask, 1, query_index[..., None].expand(-1, -1, mask.shape[-1]))
+        allowed = torch.gather(rows_of_queries, 2, key_slots[:, None, :].expand(-1, query_index.shape[1], -1))
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, :]
+    # A padding query may have no key at all; give it every key so softmax stays finite (its output is
+    # discarded on scatter).
+    allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
+    return allowed[:, None]
+
+
+def routed_block_forward(
+    layer: TransformerSelfAttentionLayer,
+    x: torch.Tensor,
+    selection: Selection,
+    gate: Optional[torch.Tensor],
+    *,
+    positions: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    cache: Optional[SelectiveKVCache] = None,
+) -> torch.Tensor:
+    """Apply ``layer``'s block to the selected tokens of ``x`` only.
+
+    Args:
+        layer (TransformerSelfAttentionLayer): supplies attn, mlp, norms and scales.
+        x (torch.Tensor): ``[b, s, d]`` layer input.
+        selection (Selection): which tokens run, per row.
+        gate (Optional[torch.Tensor]): ``[b, s]`` per-token gate scaling the update; None means 1.
+        positions (torch.Tensor): ``[b, s]`` position ids (RoPE) of the tokens of ``x``.
+        mask (Optional[torch.Tensor]): ``[b, s, s]`` (no cache) or ``[b, s, max_cache_len]`` (cache) boolean
+            mask in torchtune's convention; None means causal.
+        cache (Optional[SelectiveKVCache]): per-row cache; when given, selected tokens' K/V are stored and
+            queries attend over the stored entries.
+
+    Returns:
+        torch.Tensor: ``[b, s, d]`` layer output.
+    """
+    batch = x.shape[0]
+    if selection.num_selected == 0:
+        return x
+    rows = None
+    if cache is not None and selection.valid is not None:
+        # Decoding: rows that run nothing this step are left out of the computation entirely.
+        row_runs = selection.valid.any(dim=-1)
+        if not bool(row_runs.all()):
+            rows = torch.nonzero(row_runs).squeeze(-1)
+            valid = selection.valid[rows]
+            selection = Selection(
+                positions=selection.positions[rows],
+                valid=None if bool(valid.all()) else valid,
+                mask=selection.mask[rows],
+            )
+    x_rows = x if rows is None else x[rows]
+    positions = positions if rows is None else positions[rows]
+    mask = mask if (rows is None or mask is None) else mask[rows]
+    query_index = selection.positions
+    valid = selection.valid
+
+    xs = gather_tokens(x_rows, query_index)
+    q, key, value = _project_heads(layer, layer.sa_norm(xs), gather_tokens(positions, query_index))
+
+    attn_mask, is_causal = None, False
+    if cache is not None:
+        row_ids = torch.arange(batch, device=x.device) if rows is None else rows
+        query_slots = cache.seen + query_index
+        cache.append(row_ids, key, value, query_slots, valid if valid is not None else torch.ones_like(query_slots, dtype=torch.bool))
+        key, value, key_slots, key_valid = cache.entries(row_ids)
+        attn_mask = _attention_mask(mask, query_index, query_slots, key_slots, key_valid)
+    elif mask is None and valid is None:
+        is_causal = True  # gathered in time order, so causality among them is the lower triangle
+    else:
+        attn_mask = _attention_mask(mask, query_index, query_index, query_index, valid)
+
+    attn = layer.attn
+    out = F.scaled_dot_product_attention(
+        q,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=attn.attn_dropout if attn.training else 0.0,
+        is_causal=is_causal,
+        enable_gqa=attn.num_heads != attn.num_kv_heads,
+    )
+    out = out.transpose(1, 2).reshape(xs.shape[0], xs.shape[1], -1)
+    attn_update = layer.sa_scale(attn.output_proj(out))
+    h = xs + attn_update
+    update = attn_update + layer.mlp_scale(layer.mlp(layer.mlp_norm(h)))
+    if gate is not None:
+        gate_rows = gate if rows is None else gate[rows]
+        update = update * gather_tokens(gate_rows, query_index)[..., None].to(update.dtype)
+
+    out_rows = scatter_updates(x_rows, selection, update)
+    if rows is None:
+        return out_rows
+    return x.index_copy(0, rows, out_rows)

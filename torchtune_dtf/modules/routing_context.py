@@ -1,0 +1,85 @@
+"""Per-forward routing inputs (mode, β) and outputs (per-layer statistics and auxiliary losses).
+
+The trainer creates one :class:`RoutingContext` per forward and passes it as ``model(tokens,
+routing=ctx)``; routed layers read β and the mode from it and leave a :class:`LayerRouting` record
+keyed by their layer index. Stock torchtune callers pass nothing and get student (inference) routing.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+
+ROUTING_MODES = ("teacher", "student")
+
+
+@dataclass
+class LayerRouting:
+    """What one routed layer decided and measured in one forward. Per-token tensors are ``[b, s]``.
+
+    Attributes:
+        selected_mask: tokens that ran the block in this forward.
+        student_logits: causal router logits r̃.
+        teacher_mask: teacher (non-causal) selection, teacher mode only.
+        router_logits: MoD router logits r (MoD only).
+        d_st, d_ch, ce, cu, s_ce, s_cu, g: surprise signals (SDT/STT teacher mode).
+        o_ce, m_cu: current values of the learnable offsets (scalars).
+        pred_loss: predictor (PriorFFN/TPN) MSE against the stop-gradient residual, averaged over tokens.
+        causal_loss: BCE of the student logits against the teacher mask, averaged over tokens.
+        g_mean: mean of g, the sparsity regulariser L_g_reg of the dynamic-capacity variant.
+    """
+
+    selected_mask: Optional[torch.Tensor] = None
+    student_logits: Optional[torch.Tensor] = None
+    teacher_mask: Optional[torch.Tensor] = None
+    router_logits: Optional[torch.Tensor] = None
+    d_st: Optional[torch.Tensor] = None
+    d_ch: Optional[torch.Tensor] = None
+    ce: Optional[torch.Tensor] = None
+    cu: Optional[torch.Tensor] = None
+    s_ce: Optional[torch.Tensor] = None
+    s_cu: Optional[torch.Tensor] = None
+    g: Optional[torch.Tensor] = None
+    o_ce: Optional[torch.Tensor] = None
+    m_cu: Optional[torch.Tensor] = None
+    pred_loss: Optional[torch.Tensor] = None
+    causal_loss: Optional[torch.Tensor] = None
+    g_mean: Optional[torch.Tensor] = None
+
+    @property
+    def selected_fraction(self) -> torch.Tensor:
+        return self.selected_mask.float().mean()
+
+
+@dataclass
+class RoutingContext:
+    """
+    Args:
+        mode (str): ``"teacher"`` (training: non-causal teacher selection, auxiliary losses) or
+            ``"student"`` (inference: causal router decides, configured threshold/top-k).
+        beta_ce (Optional[float]): inverse temperature of CE for this step (teacher mode, SDT/STT).
+        beta_cu (Optional[float]): inverse temperature of CU for this step (teacher mode, SDT/STT).
+        apply_gate (bool): scale selected tokens' updates by the gate. Turning it off is an analysis
+            switch (dense-equivalence checks, ablations), not a training setting.
+    """
+
+    mode: str
+    beta_ce: Optional[float] = None
+    beta_cu: Optional[float] = None
+    apply_gate: bool = True
+    layers: Dict[int, LayerRouting] = field(default_factory=dict)
+    # SDT: residuals a Decision layer hands to the Dynamic layer that follows, keyed by the Dynamic
+    # layer's index (kept for the whole forward so activation-checkpoint recomputation sees them too).
+    decision_states: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROUTING_MODES:
+            raise ValueError(f"Unknown routing mode {self.mode!r}; expected one of {ROUTING_MODES}")
+
+    def betas(self) -> Tuple[float, float]:
+        if self.beta_ce is None or self.beta_cu is None:
+            raise ValueError(
+                "Teacher routing of SDT/STT needs beta_ce and beta_cu for this step; pass "
+                "RoutingContext(mode='teacher', beta_ce=..., beta_cu=...)"
+            )
+        return self.beta_ce, self.beta_cu

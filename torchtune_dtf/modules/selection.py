@@ -1,0 +1,94 @@
+"""Choosing which tokens run a routed block, and moving them in and out of the block.
+
+A :class:`Selection` holds, per batch row, the time-ordered positions (sequence indices) of the tokens
+that run the block. Rows may select different numbers of tokens (threshold routing); the index tensor
+is then padded to the largest count and ``valid`` marks the real entries. Keeping indices sorted in
+time order is what makes the causal mask over the gathered tokens correct (DESIGN §3.7, §7).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Selection:
+    """Tokens that run a routed block.
+
+    Attributes:
+        positions (torch.Tensor): ``[b, k]`` sequence indices of the selected tokens, ascending per row.
+        valid (Optional[torch.Tensor]): ``[b, k]`` bool, False for padding entries; None when every
+            row selects exactly k tokens.
+        mask (torch.Tensor): ``[b, s]`` bool, True where a token runs the block.
+    """
+
+    positions: torch.Tensor
+    valid: Optional[torch.Tensor]
+    mask: torch.Tensor
+
+    @property
+    def num_selected(self) -> int:
+        return self.positions.shape[1]
+
+
+def topk_selection(scores: torch.Tensor, k: int) -> Selection:
+    """Per-row top-k with deterministic ties: among equal scores the lower position wins (DESIGN §3.9).
+
+    Args:
+        scores (torch.Tensor): ``[b, s]``.
+        k (int): tokens per row, 0 ≤ k ≤ s.
+
+    Returns:
+        Selection: exactly k tokens per row, positions ascending.
+    """
+    # A stable descending sort keeps equal scores in position order, so ties resolve to the earlier token.
+    order = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices
+    positions = torch.sort(order[:, :k], dim=-1).values
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, positions, True)
+    return Selection(positions=positions, valid=None, mask=mask)
+
+
+def mask_selection(mask: torch.Tensor) -> Selection:
+    """Selection from a boolean mask ``[b, s]`` (threshold routing); rows may differ in count."""
+    counts = mask.sum(dim=-1)
+    num_slots = int(counts.max()) if mask.numel() else 0
+    if bool((counts == num_slots).all()):
+        positions = torch.nonzero(mask, as_tuple=True)[1].view(mask.shape[0], num_slots)
+        return Selection(positions=positions, valid=None, mask=mask)
+    # Selected tokens first, each group in time order (stable sort on the "not selected" flag).
+    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[:, :num_slots]
+    valid = torch.arange(num_slots, device=mask.device)[None, :] < counts[:, None]
+    return Selection(positions=order, valid=valid, mask=mask)
+
+
+def batch_topk_rows(scores: torch.Tensor, capacity: float) -> torch.Tensor:
+    """Per-step budget for decoding (spec §5.1): the top floor(γ·b) rows of the batch run the block.
+
+    Args:
+        scores (torch.Tensor): ``[b]`` student logits of the current token of each row.
+        capacity (float): γ.
+
+    Returns:
+        torch.Tensor: ``[b, 1]`` bool mask. With b = 1 and γ < 1 nothing runs: the budget is a hard one.
+    """
+    num_rows = int(capacity * scores.shape[0])
+    return topk_selection(scores[None, :], num_rows).mask.view(-1, 1)
+
+
+def gather_tokens(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[b, s, ...]`` gathered at ``positions [b, k]`` → ``[b, k, ...]``."""
+    index = positions.view(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return torch.gather(x, 1, index)
+
+
+def scatter_updates(x: torch.Tensor, selection: Selection, update: torch.Tensor) -> torch.Tensor:
+    """Add ``update [b, k, d]`` to the selected tokens of ``x [b, s, d]``; others pass unchanged.
+
+    Padding entries of a ragged selection contribute zero, so duplicate padding indices are harmless and
+    the residual is added exactly once per selected token (DESIGN §7).
+    """
+    if selection.valid is not None:
+        update = update * selection.valid[..., None].to(update.dtype)
+    index = selection.positions[..., None].expand(-1, -1, x.shape[-1])
+    return x.scatter_add(1, index, update.to(x.dtype))

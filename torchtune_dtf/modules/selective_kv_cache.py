@@ -1,0 +1,120 @@
+"""Per-row KV cache for routed layers: only tokens that ran the block write K/V (DESIGN §4).
+
+torchtune's ``KVCache`` keeps one shared write position for the whole batch. A routed layer cannot:
+each row executes a different number of tokens, so each row has its own fill level. Every stored entry
+remembers its *slot*, the index of its token in the batch's shared sequence layout (the same index the
+global attention mask from ``torchtune.generation`` uses along its last dimension). Masks for cached
+attention are built by looking the stored slots up in that global mask (causality and left padding),
+or by comparing slots when no mask is given.
+
+The cache also carries the last layer input of each row, which the two-token causal router needs for
+the first token of the next chunk.
+"""
+
+from typing import Tuple
+
+import torch
+from torch import nn
+
+
+class SelectiveKVCache(nn.Module):
+    """
+    Args:
+        batch_size (int): b.
+        num_kv_heads (int): number of key/value heads.
+        head_dim (int): dimension of each head.
+        max_seq_len (int): capacity per row (entries, which is also the longest layout it can follow).
+        embed_dim (int): model width, for the carried previous-token state.
+        dtype (torch.dtype): dtype of keys, values and carried state.
+
+    Buffers:
+        k_cache, v_cache: ``[b, n_kv, max_seq_len + 1, h_d]``; the last entry is a scratch slot that
+            absorbs the writes of padding entries of a ragged selection.
+        entry_slots: ``[b, max_seq_len + 1]`` layout slot of each stored entry.
+        fill: ``[b]`` number of stored entries per row.
+        seen: ``[]`` number of layout slots consumed so far (tokens seen per row, run or skipped).
+        last_input: ``[b, d]`` the previous token's layer input, per row.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        embed_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        shape = (batch_size, num_kv_heads, max_seq_len + 1, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer(
+            "entry_slots", torch.zeros(batch_size, max_seq_len + 1, dtype=torch.long), persistent=False
+        )
+        self.register_buffer("fill", torch.zeros(batch_size, dtype=torch.long), persistent=False)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("last_input", torch.zeros(batch_size, embed_dim, dtype=dtype), persistent=False)
+
+    def reset(self) -> None:
+        """Empty the cache without reallocating it."""
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+        self.entry_slots.zero_()
+        self.fill.zero_()
+        self.seen.zero_()
+        self.last_input.zero_()
+
+    @property
+    def size(self) -> int:
+        """Layout slots consumed so far (mirrors ``KVCache.size``)."""
+        return int(self.seen)
+
+    def append(
+        self,
+        rows: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
+        """Store the K/V of the tokens that ran the block.
+
+        Args:
+            rows (torch.Tensor): ``[r]`` batch rows being written.
+            k (torch.Tensor): ``[r, n_kv, k, h_d]`` keys (RoPE applied) of the gathered tokens.
+            v (torch.Tensor): ``[r, n_kv, k, h_d]`` values.
+            slots (torch.Tensor): ``[r, k]`` layout slots of those tokens.
+            valid (torch.Tensor): ``[r, k]`` bool; False entries are padding and are not stored.
+        """
+        counts = valid.sum(dim=-1)
+        if bool((self.fill[rows] + counts > self.max_seq_len).any()):
+            raise RuntimeError(
+                f"SelectiveKVCache overflow: a row would hold more than max_seq_len={self.max_seq_len} entries"
+            )
+        offsets = self.fill[rows, None] + torch.cumsum(valid.long(), dim=-1) - 1
+        write_at = torch.where(valid, offsets, torch.full_like(offsets, self.max_seq_len))
+        row_index = rows[:, None].expand_as(write_at)
+        # [r, k, n_kv, h_d] views so advanced indexing on (row, entry) writes whole heads at once.
+        self.k_cache.permute(0, 2, 1, 3)[row_index, write_at] = k.permute(0, 2, 1, 3).to(self.k_cache.dtype)
+        self.v_cache.permute(0, 2, 1, 3)[row_index, write_at] = v.permute(0, 2, 1, 3).to(self.v_cache.dtype)
+        self.entry_slots[row_index, write_at] = slots
+        self.fill[rows] += counts
+
+    def entries(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stored entries of ``rows``, truncated to the longest fill among them.
+
+        Returns:
+            Tuple of keys ``[r, n_kv, n, h_d]``, values ``[r, n_kv, n, h_d]``, slots ``[r, n]`` and a
+            validity mask ``[r, n]``.
+        """
+        fill = self.fill[rows]
+        length = int(fill.max()) if rows.numel() else 0
+        if rows.numel() == self.batch_size:
+            k, v, slots = self.k_cache, self.v_cache, self.entry_slots  # no row copy for the full batch
+        else:
+            k, v, slots = self.k_cache[rows], self.v_cache[rows], self.entry_slots[rows]
+        valid = torch.arange(length, device=fill.device)[None, :] < fill[:, None]
+        return k[:, :, :length], v[:, :, :length], slots[:, :length], valid
