@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny routed Qwen2 models with fixed initialisation."""
+
+import pytest
+import torch
+
+from torchtune_dtf.models import qwen2_5
+
+VOCAB = 512
+
+MOD_ROUTING = dict(
+    routed_layers="every_other",
+    capacity=0.5,
+    student_routing_mode="threshold",
+    student_threshold=0.5,
+    causal_router_input="current",
+    causal_router_hidden_dim=16,
+    routing_init_std=0.02,
+)
+SURPRISE_ROUTING = dict(
+    MOD_ROUTING,
+    causal_router_input="current_previous",
+    prior_factor=0.0625,
+    ma_window=4,
+    o_ce_init=1.025,
+    m_cu_init=1.1,
+    teacher_selection="topk",
+    gate_threshold=None,
+)
+ROUTING = {"dense": {}, "mod": MOD_ROUTING, "sdt": SURPRISE_ROUTING, "stt": SURPRISE_ROUTING}
+ROUTED_VARIANTS = ("mod", "sdt", "stt")
+
+
+def routing_kwargs(variant: str, **overrides):
+    return {**ROUTING[variant], **overrides}
+
+
+def build_tiny(variant: str, seed: int = 0, **overrides):
+    """Tiny model of ``variant`` with fixed random weights (same backbone for the same seed)."""
+    torch.manual_seed(seed)
+    builder = getattr(qwen2_5, f"{variant}_qwen2_5_tiny")
+    model = builder(vocab_size=VOCAB, **routing_kwargs(variant, **overrides))
+    # Backbone weights from a dense model with the same seed, so every variant shares them.
+    torch.manual_seed(seed)
+    dense = qwen2_5.dense_qwen2_5_tiny(vocab_size=VOCAB)
+    _perturb_norms(dense, seed)
+    model.load_state_dict(dense.state_dict(), strict=False)
+    return model.eval()
+
+
+def _perturb_norms(model, seed):
+    # RMSNorm scales start at 1; make them non-trivial so a mis-wired norm cannot go unnoticed.
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("scale"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture
+def tokens():
+    return torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(7))

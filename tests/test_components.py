@@ -1,0 +1,147 @@
+"""Components in isolation: predictors, surprise math, routers, validation of routing hyperparameters."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchtune.modules.peft import get_adapter_params
+
+from tests.conftest import MOD_ROUTING, SURPRISE_ROUTING, VOCAB
+from torchtune_dtf.models import validate_routing
+from torchtune_dtf.models.qwen2_5 import lora_stt_qwen2_5_tiny, stt_qwen2_5_0_5b, stt_qwen2_5_tiny
+from torchtune_dtf.modules import (
+    CausalRouter,
+    PredictiveRouter,
+    causal_moving_average,
+    predictor_width,
+    previous_token_states,
+)
+
+
+def test_predictor_width_rule():
+    assert predictor_width(0.0625, 896) == 56  # Qwen2.5-0.5B at f = 0.0625 (DESIGN §3.3)
+    assert predictor_width(0.0001, 64) == 2
+    assert predictor_width(0.1, 64) == 8  # ceil(6.4) = 7 → rounded up to even
+
+
+def test_softplus_parameters_start_at_configured_values():
+    router = PredictiveRouter(o_ce_init=1.025, m_cu_init=1.1, ma_window=4)
+    assert math.isclose(router.o_ce.item(), 1.025, rel_tol=1e-6)
+    assert math.isclose(router.m_cu.item(), 1.1, rel_tol=1e-6)
+    large = PredictiveRouter(o_ce_init=40.0, m_cu_init=1e-3, ma_window=4)
+    assert math.isclose(large.o_ce.item(), 40.0, rel_tol=1e-6) and math.isclose(large.m_cu.item(), 1e-3, rel_tol=1e-4)
+
+
+def test_moving_average_matches_direct_computation():
+    values = torch.rand(2, 13, generator=torch.Generator().manual_seed(0))
+    window = 5
+    direct = torch.stack(
+        [torch.stack([values[b, max(0, t - window + 1) : t + 1].mean() for t in range(13)]) for b in range(2)]
+    )
+    torch.testing.assert_close(causal_moving_average(values, window), direct)
+    # The first tokens average over the history they have.
+    torch.testing.assert_close(causal_moving_average(values, window)[:, 0], values[:, 0])
+
+
+def test_ce_cu_and_probabilistic_or():
+    router = PredictiveRouter(o_ce_init=1.5, m_cu_init=0.8, ma_window=3)
+    d_st = torch.rand(1, 6, generator=torch.Generator().manual_seed(1))
+    d_ch = torch.rand(1, 6, generator=torch.Generator().manual_seed(2))
+    out = router(d_st, d_ch, beta_ce=4.0, beta_cu=9.0)
+    ce = d_st - (d_ch - math.log(1.5))
+    cu = d_st - 0.8 * causal_moving_average(d_st, 3)
+    torch.testing.assert_close(out.ce, ce)
+    torch.testing.assert_close(out.cu, cu)
+    s_ce, s_cu = torch.sigmoid(4.0 * ce), torch.sigmoid(9.0 * cu)
+    torch.testing.assert_close(out.g, s_ce + s_cu - s_ce * s_cu)
+    assert bool(((out.g >= 0) & (out.g <= 1)).all())
+
+
+def test_previous_token_states_reset_at_sequence_start():
+    x = torch.arange(1, 7, dtype=torch.float32).view(1, 6, 1).expand(2, 6, 1).clone()
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]])  # row 1: left-padded
+    prev = previous_token_states(x, positions)
+    assert prev[0, :, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    assert prev[1, :, 0].tolist() == [0, 0, 0, 3, 4, 5]
+    carried = previous_token_states(x[:, :1], torch.tensor([[7], [7]]), carried=torch.full((2, 1), 9.0))
+    assert carried[:, 0, 0].tolist() == [9.0, 9.0]
+
+
+def test_two_token_causal_router_uses_the_previous_token():
+    router = CausalRouter(embed_dim=8, hidden_dim=4, use_previous_token=True, norm_eps=1e-6, init_std=0.5)
+    x = torch.randn(1, 5, 8)
+    prev = previous_token_states(x, torch.arange(5)[None])
+    base = router(x, prev)
+    x2 = x.clone()
+    x2[0, 2] += 1.0
+    changed = router(x2, previous_token_states(x2, torch.arange(5)[None]))
+    assert torch.equal(changed[0, :2], base[0, :2]) and torch.equal(changed[0, 4:], base[0, 4:])
+    assert not torch.equal(changed[0, 3], base[0, 3])  # token 3 sees token 2 as its predecessor
+
+
+def test_meta_build_of_0_5b_has_the_qwen_parameter_count():
+    with torch.device("meta"):
+        model = stt_qwen2_5_0_5b(**SURPRISE_ROUTING)
+    base = sum(p.numel() for n, p in model.named_parameters() if not any(
+        r in n for r in ("router", "transition", "prior_ffn")))
+    assert base == 494_032_768  # Qwen2.5-0.5B with tied embeddings
+    routing = sum(p.numel() for p in model.parameters()) - base
+    # 12 STT layers: TPN (3·896·56 + 896), two-token causal router (896 + 1792·16 + 16 + 16 + 1), o_ce, m_cu.
+    assert routing == 12 * ((3 * 896 * 56 + 896) + (896 + 1792 * 16 + 16 + 16 + 1) + 2)
+
+
+def test_lora_twin_trains_adapters_and_every_routing_parameter():
+    model = lora_stt_qwen2_5_tiny(
+        ["q_proj", "v_proj"], True, lora_rank=4, lora_alpha=8, lora_dropout=0.0, vocab_size=VOCAB, **SURPRISE_ROUTING
+    )
+    adapter = set(get_adapter_params(model))
+    routing = {n for n in dict(model.named_parameters()) if any(r in n for r in ("router", "transition"))}
+    assert routing and routing <= adapter
+    assert any("lora_a" in n for n in adapter) and any("mlp.w1.lora_a" in n or "mlp.w1" in n for n in adapter)
+    assert not any(n.endswith("attn.q_proj.weight") for n in adapter)
+
+
+# ------------------------------------------------------------------------------------------ validation
+def test_every_problem_is_reported_at_once():
+    bad = dict(SURPRISE_ROUTING, capacity=1.5, ma_window=-3, o_ce_init=0.0, student_routing_mode="sometimes")
+    del bad["m_cu_init"]
+    with pytest.raises(ValueError) as err:
+        stt_qwen2_5_tiny(vocab_size=VOCAB, **bad)
+    message = str(err.value)
+    for fragment in ("m_cu_init", "capacity", "ma_window", "o_ce_init", "student_routing_mode"):
+        assert fragment in message, message
+
+
+@pytest.mark.parametrize(
+    "variant, change, fragment",
+    [
+        ("mod", dict(capacity=0.0), "capacity must be in (0, 1]"),
+        ("mod", dict(capacity=[0.5, 0.5, 0.5]), "capacity lists 3 values but there are 2 routed layers"),
+        ("mod", dict(student_threshold=1.0), "student_threshold"),
+        ("mod", dict(causal_router_input="both"), "causal_router_input"),
+        ("mod", dict(routed_layers=[1, 7]), "outside [0, 4)"),
+        ("mod", dict(prior_factor=0.1), "unknown routing hyperparameter(s) for variant 'mod': prior_factor"),
+        ("stt", dict(ma_window=0), "ma_window must be a positive integer"),
+        ("stt", dict(m_cu_init=-1.0), "m_cu_init must be positive"),
+        ("stt", dict(teacher_selection="threshold", gate_threshold=None), "gate_threshold"),
+        ("sdt", dict(routed_layers=[0, 2]), "needs a Decision layer"),
+        ("sdt", dict(routed_layers=[1, 2]), "needs a Decision layer"),
+        ("moe", {}, "unknown variant 'moe'"),
+    ],
+)
+def test_invalid_routing_is_rejected(variant, change, fragment):
+    base = MOD_ROUTING if variant == "mod" else SURPRISE_ROUTING
+    with pytest.raises(ValueError) as err:
+        validate_routing(variant, 4, **dict(base, **change))
+    assert fragment in str(err.value)
+
+
+def test_missing_keys_are_named():
+    with pytest.raises(ValueError, match="missing required routing hyperparameter.*capacity, student_routing_mode"):
+        validate_routing("mod", 4, routed_layers="every_other")
+
+
+def test_per_layer_capacity():
+    spec = validate_routing("mod", 4, **dict(MOD_ROUTING, capacity=[0.25, 0.75]))
+    assert spec.routed_layers == [1, 3] and spec.capacity == [0.25, 0.75]

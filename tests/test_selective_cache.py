@@ -1,0 +1,148 @@
+"""Selective KV cache: prefill + decode equals a full student forward; only executed tokens write K/V."""
+
+import pytest
+import torch
+from torchtune.generation import generate
+from torchtune.modules.common_utils import disable_kv_cache, local_kv_cache
+
+from tests.conftest import ROUTED_VARIANTS, VOCAB, build_tiny
+from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext, SelectiveKVCache
+
+MAX_LEN = 40
+
+
+def causal_masks(batch, seq_len, max_len=MAX_LEN):
+    return torch.tril(torch.ones(seq_len, max_len, dtype=torch.bool)).expand(batch, -1, -1)
+
+
+def decode_incrementally(model, tokens, prompt_len):
+    """Logits of every position, computed by a prompt prefill and then one token at a time."""
+    batch, total = tokens.shape
+    masks = causal_masks(batch, total)
+    ctx = RoutingContext(mode="student")
+    logits = [model(tokens[:, :prompt_len], mask=masks[:, :prompt_len], input_pos=torch.arange(prompt_len), routing=ctx)]
+    executed = {i: r.selected_mask.clone() for i, r in ctx.layers.items()}
+    for t in range(prompt_len, total):
+        ctx = RoutingContext(mode="student")
+        logits.append(model(tokens[:, t : t + 1], mask=masks[:, t : t + 1], input_pos=torch.full((batch,), t), routing=ctx))
+        for i, r in ctx.layers.items():
+            executed[i] = torch.cat([executed[i], r.selected_mask], dim=1)
+    return torch.cat(logits, dim=1), executed
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_prefill_then_decode_matches_full_forward(variant, tokens):
+    model = build_tiny(variant, student_threshold=0.5)
+    full_ctx = RoutingContext(mode="student")
+    full = model(tokens, routing=full_ctx)
+    model.setup_caches(batch_size=tokens.shape[0], dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    incremental, executed = decode_incrementally(model, tokens, prompt_len=9)
+    torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-4)
+    for layer in model.layers:
+        if not isinstance(layer, RoutedSelfAttentionLayer):
+            continue
+        cache = layer.attn.kv_cache
+        assert isinstance(cache, SelectiveKVCache)
+        ran = executed[layer.layer_idx]
+        assert torch.equal(ran, full_ctx.layers[layer.layer_idx].selected_mask)
+        # Each row holds exactly the tokens that ran the block, at their layout slots.
+        assert cache.fill.tolist() == ran.sum(-1).tolist()
+        assert 0 < cache.fill.sum() < ran.numel(), "a routed layer that runs every token (or none) proves nothing"
+        for row in range(tokens.shape[0]):
+            n = int(cache.fill[row])
+            assert cache.entry_slots[row, :n].tolist() == torch.nonzero(ran[row]).squeeze(-1).tolist()
+
+
+def test_skipped_tokens_write_no_kv(tokens):
+    model = build_tiny("stt", student_threshold=0.5)
+    model.setup_caches(batch_size=3, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    ctx = RoutingContext(mode="student")
+    model(tokens, mask=causal_masks(3, tokens.shape[1]), input_pos=torch.arange(tokens.shape[1]), routing=ctx)
+    layer = model.layers[1]
+    cache = layer.attn.kv_cache
+    ran = ctx.layers[1].selected_mask
+    for row in range(3):
+        n = int(cache.fill[row])
+        assert n == int(ran[row].sum())
+        assert cache.k_cache[row, :, n:MAX_LEN].abs().sum() == 0  # nothing written past the fill level
+    # A standard layer's cache holds every token.
+    assert model.layers[0].attn.kv_cache.size == tokens.shape[1]
+
+
+def test_left_padded_batch_generates_like_each_row_alone():
+    model = build_tiny("stt", student_threshold=0.5)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (7, 4, 10)]
+    pad_id = 0
+    width = max(len(p) for p in prompts)
+    batch = torch.stack([torch.cat([torch.full((width - len(p),), pad_id), p]) for p in prompts])
+    with local_kv_cache(model, batch_size=3, device=torch.device("cpu"), dtype=torch.float32, decoder_max_seq_len=width + 8):
+        together, _ = generate(model, batch, max_generated_tokens=8, pad_id=pad_id, temperature=1.0, top_k=1)
+    for row, prompt in enumerate(prompts):
+        with local_kv_cache(model, batch_size=1, device=torch.device("cpu"), dtype=torch.float32, decoder_max_seq_len=len(prompt) + 8):
+            alone, _ = generate(model, prompt[None], max_generated_tokens=8, pad_id=pad_id, temperature=1.0, top_k=1)
+        assert together[row, width:].tolist() == alone[0, len(prompt):].tolist()
+
+
+def test_decode_topk_has_a_hard_per_step_budget():
+    model = build_tiny("mod", student_routing_mode="topk", student_threshold=None)
+    prompt = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    masks = causal_masks(1, 12)
+    model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    ctx = RoutingContext(mode="student")
+    model(prompt, mask=masks[:, :8], input_pos=torch.arange(8), routing=ctx)
+    assert ctx.layers[1].selected_mask.sum().item() == 4  # per-sequence top-k of the prompt
+    for t in range(8, 12):
+        ctx = RoutingContext(mode="student")
+        model(prompt[:, :1], mask=masks[:, t : t + 1], input_pos=torch.tensor([t]), routing=ctx)
+        # floor(0.5 · batch 1) = 0 rows: the routed layers run nothing while decoding.
+        assert ctx.layers[1].selected_mask.sum().item() == 0
+    assert model.layers[1].attn.kv_cache.fill.tolist() == [4]
+    assert model.layers[0].attn.kv_cache.size == 12
+
+
+def test_torchtune_cache_api(tokens):
+    model = build_tiny("sdt")
+    assert not model.caches_are_setup()
+    model.setup_caches(batch_size=3, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    assert model.caches_are_setup() and model.caches_are_enabled()
+    assert model.decoder_max_cache_seq_len == MAX_LEN
+    model(tokens[:, :5], mask=causal_masks(3, 5), input_pos=torch.arange(5))
+    assert model.layers[1].attn.kv_cache.size == 5
+    model.reset_caches()
+    assert model.layers[1].attn.kv_cache.size == 0 and model.layers[1].attn.kv_cache.fill.sum() == 0
+    with disable_kv_cache(model):
+        assert not model.caches_are_enabled()
+        no_cache = model(tokens)  # a plain full forward, caches untouched
+    assert model.layers[1].attn.kv_cache.size == 0
+    assert model.caches_are_enabled()
+    model.reset_caches()
+    # Student routing is causal and per row, so the cached prefill gives the same logits.
+    cached = model(tokens, mask=causal_masks(3, tokens.shape[1]), input_pos=torch.arange(tokens.shape[1]))
+    torch.testing.assert_close(cached, no_cache, rtol=1e-4, atol=1e-4)
+
+
+def test_local_kv_cache_restores_cacheless_model(tokens):
+    model = build_tiny("stt")
+    expected = model(tokens)
+    with local_kv_cache(model, batch_size=3, device=torch.device("cpu"), dtype=torch.float32, decoder_max_seq_len=MAX_LEN):
+        assert model.caches_are_enabled()
+    assert not model.caches_are_setup()
+    torch.testing.assert_close(model(tokens), expected, rtol=0, atol=0)
+
+
+def test_chunked_output(tokens):
+    model = build_tiny("mod")
+    full = model(tokens)
+    model.set_num_output_chunks(4)
+    chunks = model(tokens)
+    assert isinstance(chunks, list) and len(chunks) == 4
+    torch.testing.assert_close(torch.cat(chunks, dim=1).float(), full)
+
+
+def test_teacher_mode_refuses_caches(tokens):
+    model = build_tiny("stt")
+    model.setup_caches(batch_size=3, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    with pytest.raises(RuntimeError, match="Teacher routing is for training"):
+        model(tokens, mask=causal_masks(3, tokens.shape[1]), input_pos=torch.arange(tokens.shape[1]),
+              routing=RoutingContext(mode="teacher", beta_ce=1.0, beta_cu=1.0))
