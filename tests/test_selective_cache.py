@@ -113,7 +113,9 @@ def test_torchtune_cache_api(tokens):
     assert model.layers[1].attn.kv_cache.size == 0 and model.layers[1].attn.kv_cache.fill.sum() == 0
     with disable_kv_cache(model):
         assert not model.caches_are_enabled()
-        no_cache = model(tokens)  # a plain full forward, caches untouched
+        # torchtune's attention is only causal without a mask when no cache is set up, so pass one.
+        seq_len = tokens.shape[1]
+        no_cache = model(tokens, mask=causal_masks(3, seq_len, seq_len))  # caches untouched
     assert model.layers[1].attn.kv_cache.size == 0
     assert model.caches_are_enabled()
     model.reset_caches()
