@@ -231,3 +231,39 @@ def test_beta_is_used_as_given(tokens):
 def test_teacher_mode_without_beta_fails(tokens):
     with pytest.raises(ValueError, match="beta_ce and beta_cu"):
         build_tiny("stt")(tokens, routing=RoutingContext(mode="teacher"))
+
+
+def test_dynamic_capacity_stt_selects_by_gate_threshold(tokens):
+    betas = dict(beta_ce=20.0, beta_cu=20.0)
+    probe = RoutingContext(mode="teacher", **betas)
+    build_tiny("stt")(tokens, routing=probe)
+    threshold = probe.layers[1].g.median().item()  # a threshold inside g's range at this init
+    model = build_tiny("stt", teacher_selection="threshold", gate_threshold=threshold)
+    ctx = RoutingContext(mode="teacher", **betas)
+    model(tokens, routing=ctx)
+    record = ctx.layers[1]
+    assert torch.equal(record.teacher_mask, record.g >= threshold)
+    assert torch.equal(record.selected_mask, record.teacher_mask)
+    counts = record.teacher_mask.sum(-1).tolist()
+    assert len(set(counts)) > 1, f"dynamic capacity should let rows differ, got {counts}"
+    assert 0 <= record.g_mean.item() <= 1
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_activation_checkpointing_keeps_gradients(variant, tokens):
+    from torchtune.training import set_activation_checkpointing
+
+    def grads(model):
+        ctx = teacher_ctx()
+        logits = model(tokens, routing=ctx)
+        loss = logits.logsumexp(-1).mean() + sum(r.causal_loss for r in ctx.layers.values())
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads(build_tiny(variant).train())
+    wrapped_model = build_tiny(variant).train()
+    set_activation_checkpointing(wrapped_model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    wrapped = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in grads(wrapped_model).items()}
+    assert plain.keys() == wrapped.keys()
+    for name in plain:
+        torch.testing.assert_close(wrapped[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
