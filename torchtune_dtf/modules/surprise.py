@@ -85,8 +85,9 @@ class PredictiveRouter(nn.Module):
         self.o_ce_init = o_ce_init
         self.m_cu_init = m_cu_init
         self.ma_window = ma_window
-        self.o_ce_raw = nn.Parameter(torch.empty(()))
-        self.m_cu_raw = nn.Parameter(torch.empty(()))
+        # Shape [1] rather than a 0-dim scalar: FSDP2 shards parameters along dim 0.
+        self.o_ce_raw = nn.Parameter(torch.empty(1))
+        self.m_cu_raw = nn.Parameter(torch.empty(1))
         self.reset_parameters()
 
     def adapter_params(self) -> List[str]:
