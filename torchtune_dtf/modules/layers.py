@@ -177,6 +177,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             )
             record.teacher_mask = selection.mask
             record.causal_loss = F.binary_cross_entropy_with_logits(logits.float(), selection.mask.float())
+            with torch.no_grad():  # what the student would have run, for agreement metrics
+                record.student_mask = self.student_selection(logits, None).mask
         else:
             selection = self.student_selection(logits, cache)
             gate = self.student_gate(x)

@@ -21,6 +21,7 @@ class LayerRouting:
         selected_mask: tokens that ran the block in this forward.
         student_logits: causal router logits r̃.
         teacher_mask: teacher (non-causal) selection, teacher mode only.
+        student_mask: what the student would have selected (teacher mode only, for agreement metrics).
         router_logits: MoD router logits r (MoD only).
         d_st, d_ch, ce, cu, s_ce, s_cu, g: surprise signals (SDT/STT teacher mode).
         o_ce, m_cu: current values of the learnable offsets (scalars).
@@ -32,6 +33,7 @@ class LayerRouting:
     selected_mask: Optional[torch.Tensor] = None
     student_logits: Optional[torch.Tensor] = None
     teacher_mask: Optional[torch.Tensor] = None
+    student_mask: Optional[torch.Tensor] = None
     router_logits: Optional[torch.Tensor] = None
     d_st: Optional[torch.Tensor] = None
     d_ch: Optional[torch.Tensor] = None

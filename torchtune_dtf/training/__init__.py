@@ -1,0 +1,1 @@
+from torchtune_dtf.training.checkpointer import ROUTING_WEIGHTS_FNAME, RoutedHFCheckpointer, routed_adapter_state_dict

@@ -12,7 +12,8 @@ and STT models. :class:`RoutedHFCheckpointer` wraps it (composition, not a copy)
 * **save** — the base weights go out through the base checkpointer (a stock HF directory that
   ``FullModelHFCheckpointer`` and ``transformers`` read), the routing weights into
   ``output_dir/epoch_{N}/routing.safetensors`` beside them. Adapter and recipe-state files are the
-  base checkpointer's.
+  base checkpointer's; adapter files hold LoRA weights only, and when a LoRA run resumes from
+  ``epoch_{N}/adapter_model.pt`` the routing sidecar beside it is added to the ``"adapter"`` entry.
 
 Config usage (the model component is shared with the recipe through interpolation)::
 
@@ -104,6 +105,18 @@ def _raise_if(problems: List[str], context: str) -> None:
         raise ValueError(f"{context}:\n  - " + "\n  - ".join(problems))
 
 
+def _latest_epoch_weight_files(output_dir: Path) -> List[str]:
+    """Weight files of the highest ``epoch_N`` folder under ``output_dir``, relative to it."""
+    epochs = [p for p in output_dir.glob("epoch_*") if p.is_dir() and p.name.split("_", 1)[1].isdigit()]
+    if not epochs:
+        raise ValueError(f"Asked to resume, but {output_dir} holds no epoch_N checkpoint folder")
+    latest = max(epochs, key=lambda p: int(p.name.split("_", 1)[1]))
+    files = sorted(latest.glob("model-*.safetensors")) or sorted(latest.glob("model-*.bin"))
+    if not files:
+        raise ValueError(f"Asked to resume, but {latest} holds no model weight files")
+    return [f"{latest.name}/{f.name}" for f in files]
+
+
 class RoutedHFCheckpointer:
     """HF-format checkpointer for the dense/MoD/SDT/STT Qwen2 models of this package (and LoRA twins).
 
@@ -148,7 +161,7 @@ class RoutedHFCheckpointer:
         routing_init_seed: int,
     ) -> None:
         if model_type != "QWEN2":
-            raise ValueError(f"RoutedHFCheckpointer supports model_type QWEN2 only (routed Qwen2 models), got {model_type!r}")
+            raise ValueError(f"RoutedHFCheckpointer supports model_type QWEN2 only (routed Qwen2), got {model_type!r}")
         self._model_config = _plain_model_config(model)
         self._routing_init_seed = routing_init_seed
 
@@ -161,6 +174,10 @@ class RoutedHFCheckpointer:
             k: s for k, s in shapes.items() if k not in self._routing_shapes and k not in self._lora_shapes
         }
 
+        if (should_load_recipe_state or resume_from_checkpoint) and not self._lora_shapes:
+            # Resuming a full fine-tune: weights come from the newest epoch folder this run wrote (torchtune
+            # itself would look for the original file names directly under output_dir).
+            checkpoint_files = _latest_epoch_weight_files(Path(output_dir))
         self._base = training.FullModelHFCheckpointer(
             checkpoint_dir=checkpoint_dir,
             checkpoint_files=checkpoint_files,
@@ -198,7 +215,7 @@ class RoutedHFCheckpointer:
                 module.reset_parameters()
                 for key, value in module.state_dict().items():
                     if torch.isnan(value).any():
-                        raise RuntimeError(f"{type(module).__name__}.reset_parameters() left {name}.{key} uninitialised")
+                        raise RuntimeError(f"{type(module).__name__}.reset_parameters() left {name}.{key} unset")
                     routing[f"{name}.{key}"] = value.detach().to(dtype)
         return routing
 
@@ -238,7 +255,7 @@ class RoutedHFCheckpointer:
                 adapter.update(load_file(adapter_sidecar))
             allowed = {**self._lora_shapes, **self._routing_shapes}
             source = f"adapter checkpoint {self._base._adapter_checkpoint}"
-            _raise_if(_key_problems(adapter, allowed, (), source), "Adapter checkpoint does not match the configured model")
+            _raise_if(_key_problems(adapter, allowed, (), source), "Adapter does not match the configured model")
         return state
 
     # -- save ----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ keyword arguments and are all required (no defaults; see :func:`routed_qwen2`). 
 ``lora_rank``, ``lora_alpha`` and ``lora_dropout``.
 
 The architecture numbers are Qwen2.5's (as torchtune's ``qwen2_5_*`` builders). ``tiny`` is a small shape
-for tests and CPU smoke runs; it takes ``vocab_size`` so it can match a tokenizer.
+for tests and CPU smoke runs; it takes ``vocab_size`` (to match a tokenizer) and ``max_seq_len``.
 """
 
 from typing import Any, Callable, Dict
@@ -38,6 +38,7 @@ def _builder(variant: str, size: str) -> Callable[..., RoutedTransformerDecoder]
         arch = dict(shape)
         if size == "tiny":
             arch["vocab_size"] = routing.pop("vocab_size", 512)
+            arch["max_seq_len"] = routing.pop("max_seq_len", arch["max_seq_len"])
         return routed_qwen2(variant, **arch, **routing)
 
     build.__name__ = build.__qualname__ = f"{variant}_qwen2_5_{size}"
@@ -57,6 +58,7 @@ def _lora_builder(variant: str, size: str) -> Callable[..., RoutedTransformerDec
         arch = dict(shape)
         if size == "tiny":
             arch["vocab_size"] = routing.pop("vocab_size", 512)
+            arch["max_seq_len"] = routing.pop("max_seq_len", arch["max_seq_len"])
         return lora_routed_qwen2(
             variant,
             lora_attn_modules,

@@ -1,0 +1,253 @@
+"""routed_finetune: training steps for every variant, loss weights, β schedule, resume, FSDP2, configs."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torchtune import config as tt_config
+
+from tests.conftest import ROUTED_VARIANTS
+from torchtune_dtf.data.tokenizer_assets import write_qwen2_5_tokenizer_files
+from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe, validate_recipe_config
+from torchtune_dtf.training.schedules import BetaSchedule, LossWeights
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny"
+
+
+def write_tiny_hf_checkpoint(directory: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=True, torch_dtype="float32",
+    )
+    Qwen2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+
+
+@pytest.fixture(scope="session")
+def train_assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_assets")
+    write_qwen2_5_tokenizer_files(root / "qwen2_5_tokenizer")
+    write_tiny_hf_checkpoint(root / "tiny_qwen2_5_hf")
+    shutil.copy(REPO / "tests" / "assets" / "tiny_corpus.jsonl", root / "corpus.jsonl")
+    return root
+
+
+@pytest.fixture
+def workdir(train_assets, tmp_path, monkeypatch):
+    for name in ("qwen2_5_tokenizer", "tiny_qwen2_5_hf", "corpus.jsonl"):
+        os.symlink(train_assets / name, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def load_config(name: str, **overrides):
+    cfg = OmegaConf.load(TINY / f"{name}.yaml")
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def run_recipe(cfg):
+    recipe = RoutedFinetuneRecipe(cfg)
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.cleanup()
+    return recipe
+
+
+def read_log(workdir: Path):
+    (log_file,) = (workdir / "outputs" / "logs").glob("*.txt")
+    rows = {}
+    for line in log_file.read_text().splitlines():
+        step, rest = line.split(" | ", 1)
+        row = rows.setdefault(int(step.split()[1]), {})
+        row.update({k: float(v) for k, v in (kv.split(":", 1) for kv in rest.split())})
+    return rows
+
+
+# ------------------------------------------------------------------------------------ train every variant
+@pytest.mark.parametrize("name", [f"{lora}{v}_train" for v in ("dense",) + ROUTED_VARIANTS for lora in ("", "lora_")])
+def test_tiny_config_trains_and_checkpoints(name, workdir):
+    cfg = load_config(name)
+    recipe = run_recipe(cfg)
+    assert recipe.global_step == 4
+    log = read_log(workdir)
+    assert set(log) >= {1, 2, 3, 4}
+    assert all(math.isfinite(row["loss/lm"]) for row in log.values() if "loss/lm" in row)
+    assert any("val/lm_loss_student" in row for row in log.values())
+    epoch_dir = workdir / "outputs" / "epoch_0"
+    assert (epoch_dir / "model-00001-of-00001.safetensors").is_file()
+    if "dense" not in name:
+        assert (epoch_dir / "routing.safetensors").is_file()
+        row = log[4]
+        assert "beta_ce" in row and "routing/layer_1/selected_fraction" in row
+        assert "routing/layer_1/agreement_accuracy" in row
+
+
+@pytest.mark.parametrize("variant", ("dense",) + ROUTED_VARIANTS)
+def test_loss_falls_on_a_repeated_batch(variant, workdir):
+    cfg = load_config(f"{variant}_train", max_steps_per_epoch=12, gradient_accumulation_steps=1,
+                      save_every_n_steps=1000, **{"validation.every_n_steps": 1000, "lr_scheduler.num_warmup_steps": 0})
+    recipe = RoutedFinetuneRecipe(cfg)
+    recipe.setup(cfg)
+    batch = next(iter(recipe._dataloader))
+    losses = []
+    for _ in range(12):
+        loss, parts, _ = recipe._total_loss(batch)
+        loss.backward()
+        recipe._optimizer.step()
+        recipe._optimizer.zero_grad()
+        losses.append(parts["lm"].item())
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+# ------------------------------------------------------------------------------------------ schedules
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_beta_schedule_formula(kind, warmup):
+    total = 13
+    schedule = BetaSchedule(kind, 0.1, 100.0, 0.5, 20.0, warmup, total)
+    for step in range(total + 2):
+        r = 0.0 if step <= warmup else min(1.0, (step - warmup) / (total - warmup))
+        w = r if kind == "linear" else (1 - math.cos(math.pi * r)) / 2
+        ce, cu = schedule(step)
+        assert math.isclose(ce, 0.1 + w * 99.9) and math.isclose(cu, 0.5 + w * 19.5)
+    assert schedule(0) == (0.1, 0.5) and schedule(total) == (100.0, 20.0)
+    if kind == "cosine":
+        # Cosine is not linear: at mid-way it differs from the straight line except at r = 0.5.
+        mid = warmup + (total - warmup) // 4
+        assert not math.isclose(schedule(mid)[0], BetaSchedule("linear", 0.1, 100.0, 0.5, 20.0, warmup, total)(mid)[0])
+
+
+def test_recipe_passes_the_scheduled_beta(workdir):
+    cfg = load_config("stt_train", max_steps_per_epoch=4)
+    recipe = RoutedFinetuneRecipe(cfg)
+    recipe.setup(cfg)
+    for step in (0, 1, 3):
+        recipe.global_step = step
+        ctx = recipe._routing_context("teacher")
+        assert (ctx.beta_ce, ctx.beta_cu) == recipe._beta_schedule(step)
+    assert recipe._beta_schedule.type == "cosine" and recipe._beta_schedule.total_steps == 4
+
+
+def test_loss_weight_warmup():
+    weights = LossWeights(pred=0.05, causal=0.01, g_reg=0.001, warmup_steps=4)
+    assert weights.at(0) == (0.0, 0.0, 0.0)
+    assert weights.at(2) == pytest.approx((0.025, 0.005, 0.0005))
+    assert weights.at(10) == (0.05, 0.01, 0.001)
+
+
+@pytest.mark.parametrize(
+    "weight, modules",
+    [("pred", ("transition.",)), ("causal", ("causal_router.",))],
+)
+def test_loss_weights_reach_exactly_their_modules(weight, modules, workdir):
+    def grads(value):
+        cfg = load_config("stt_train", **{f"routing_loss_weights.{weight}": value})
+        recipe = RoutedFinetuneRecipe(cfg)
+        recipe.setup(cfg)
+        batch = next(iter(recipe._dataloader))
+        loss, _, _ = recipe._total_loss(batch)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in recipe._model.named_parameters() if p.grad is not None}
+
+    off, on = grads(0.0), grads(5.0)
+    changed = {n for n in on if not torch.allclose(on[n], off.get(n, torch.zeros_like(on[n])))}
+    assert changed, f"λ_{weight} changed no gradient"
+    assert all(any(m in n for m in modules) for n in changed), sorted(changed)
+
+
+# ------------------------------------------------------------------------------------------ resume
+def test_kill_and_resume_matches_uninterrupted(workdir, tmp_path):
+    overrides = dict(max_steps_per_epoch=6, save_every_n_steps=3)
+    full = run_recipe(load_config("stt_train", **overrides))
+    expected = {k: v.clone() for k, v in full._model.state_dict().items()}
+    shutil.rmtree(workdir / "outputs")
+
+    class Crash(RuntimeError):
+        pass
+
+    interrupted = RoutedFinetuneRecipe(load_config("stt_train", **overrides))
+    interrupted.setup(load_config("stt_train", **overrides))
+    real_step = interrupted._optimizer.step
+
+    def step_then_crash(*args, **kwargs):
+        real_step(*args, **kwargs)
+        if interrupted.global_step == 4:  # after the step-3 checkpoint, before step 5
+            raise Crash()
+
+    interrupted._optimizer.step = step_then_crash
+    with pytest.raises(Crash):
+        interrupted.train()
+
+    resumed = run_recipe(load_config("stt_train", resume_from_checkpoint=True, **overrides))
+    assert resumed.global_step == 6
+    state = resumed._model.state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------------------------------ configs
+def test_missing_required_key_fails_before_training():
+    cfg = load_config("stt_train")
+    del cfg["beta_schedule"]["beta_cu_end"]
+    del cfg["learning_rates"]
+    with pytest.raises(ValueError, match=r"beta_schedule.beta_cu_end.*|learning_rates") as err:
+        validate_recipe_config(cfg)
+    assert "beta_schedule.beta_cu_end" in str(err.value) and "learning_rates" in str(err.value)
+
+
+def test_missing_routing_hyperparameter_fails_at_model_build(workdir):
+    cfg = load_config("stt_train")
+    del cfg["model"]["ma_window"]
+    with pytest.raises(ValueError, match="ma_window"):
+        RoutedFinetuneRecipe(cfg).setup(cfg)
+
+
+SHIPPED = sorted(p for p in (REPO / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO / "configs")))
+def test_shipped_config_parses_and_builds_on_meta(path):
+    cfg = OmegaConf.load(path)
+    assert OmegaConf.to_container(cfg, resolve=True)  # interpolations resolve
+    if "dataset" in cfg:  # a training config
+        validate_recipe_config(cfg)
+    with torch.device("meta"):
+        model = tt_config.instantiate(cfg.model)
+    n = sum(p.numel() for p in model.parameters())
+    if "0_5b" in cfg.model._component_:
+        base = sum(p.numel() for name, p in model.named_parameters()
+                   if not any(r in name for r in ("router", "transition", "prior_ffn", "lora_")))
+        assert base == 494_032_768
+    assert n > 0
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+def test_two_process_fsdp2_trains_and_saves_a_loadable_checkpoint(workdir):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+         str(REPO / "torchtune_dtf" / "recipes" / "routed_finetune.py"), "--config", str(TINY / "stt_train.yaml")],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    saved = workdir / "outputs" / "epoch_0"
+    cfg = load_config("stt_train", **{"checkpointer.checkpoint_dir": str(saved),
+                                      "checkpointer.checkpoint_files": ["model-00001-of-00001.safetensors"]})
+    checkpointer = tt_config.instantiate(cfg.checkpointer)
+    model = tt_config.instantiate(cfg.model)
+    model.load_state_dict(checkpointer.load_checkpoint()["model"], strict=True)
+    logits = model(torch.randint(0, 1000, (1, 12)))
+    assert torch.isfinite(logits).all()

