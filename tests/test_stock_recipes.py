@@ -221,7 +221,7 @@ def test_qwen_tokenizer_conversion(qwen_tokenizer, qwen_tokenizer_dir):
 
 def test_qwen_tokenizer_matches_tiktoken(qwen_tokenizer):
     """The converted merges reproduce tiktoken's BPE on the same ranks (same pre-tokenisation regex)."""
-    tiktoken = pytest.importorskip("tiktoken")  # a dependency of qwen-tokenizer
+    import tiktoken  # a dependency of qwen-tokenizer
     from torchtune.models.qwen2._tokenizer import PRETOKENIZE_REGEX
 
     from torchtune_dtf.data.tokenizer_assets import find_qwen_tiktoken, load_tiktoken_ranks
