@@ -12,26 +12,11 @@ from torchtune import config, training
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
 from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 
+from tests.conftest import MOD_ROUTING, SURPRISE_ROUTING, VOCAB
 from torchtune_dtf.modules import RoutingContext, is_routing_key
 from torchtune_dtf.training import ROUTING_WEIGHTS_FNAME, RoutedHFCheckpointer, routed_adapter_state_dict
 
-VOCAB = 512
-ROUTING = dict(
-    routed_layers="every_other",
-    capacity=0.5,
-    student_routing_mode="threshold",
-    student_threshold=0.5,
-    causal_router_input="current_previous",
-    causal_router_hidden_dim=16,
-    routing_init_std=0.02,
-    prior_factor=0.0625,
-    ma_window=8,
-    o_ce_init=1.025,
-    m_cu_init=1.1,
-    teacher_selection="topk",
-    gate_threshold=None,
-)
-MOD_KEYS = tuple(ROUTING)[:7]
+ROUTING = dict(SURPRISE_ROUTING, ma_window=8)
 LORA = dict(
     lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8.0, lora_dropout=0.0
 )
@@ -44,7 +29,7 @@ def model_config(variant, lora=False, **overrides):
     overrides are ignored for the dense variant, which takes no routing arguments."""
     routing = {} if variant == "dense" else {**ROUTING, **overrides}
     if variant == "mod":
-        routing = {k: routing[k] for k in MOD_KEYS}
+        routing = {k: routing[k] for k in MOD_ROUTING}
     prefix = "lora_" if lora else ""
     component = f"torchtune_dtf.models.qwen2_5.{prefix}{variant}_qwen2_5_tiny"
     cfg = {"_component_": component, "vocab_size": VOCAB, **routing}

@@ -6,6 +6,7 @@ No network: the GGUF is a tiny Llama written here with ``gguf.GGUFWriter`` from 
 """
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -638,3 +639,35 @@ def test_task_yaml_loads_in_lm_eval_task_manager(prepared, monkeypatch, tmp_path
 
     result = lm_eval.simple_evaluate(model=Oracle(), tasks=["heldout_next_sentence"], task_manager=tm)
     assert result["results"]["heldout_next_sentence"]["acc,none"] == 1.0
+
+
+def test_perplexity_task_scores_every_heldout_document(prepared, monkeypatch, tmp_path):
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out, manifest = prepared
+    heldout = [row["text"] for row in _read_jsonl(out / "heldout.jsonl")]
+    tm = TaskManager(include_path=manifest["task"]["include_path"])
+    seen = []
+
+    class ConstantPerByte(LM):
+        """log-likelihood of -1 nat per byte: byte perplexity must come out as exactly e."""
+
+        def loglikelihood_rolling(self, requests):
+            texts = [r.args[0] for r in requests]
+            seen.extend(texts)
+            return [-float(len(t.encode("utf-8"))) for t in texts]
+
+        def loglikelihood(self, requests):
+            raise NotImplementedError
+
+        def generate_until(self, requests):
+            raise NotImplementedError
+
+    name = manifest["task"]["perplexity_task"]["name"]
+    result = lm_eval.simple_evaluate(model=ConstantPerByte(), tasks=[name], task_manager=tm)
+    assert sorted(seen) == sorted(heldout)
+    assert abs(result["results"][name]["byte_perplexity,none"] - math.e) < 1e-6

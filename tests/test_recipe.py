@@ -251,3 +251,24 @@ def test_two_process_fsdp2_trains_and_saves_a_loadable_checkpoint(workdir):
     model.load_state_dict(checkpointer.load_checkpoint()["model"], strict=True)
     logits = model(torch.randint(0, 1000, (1, 12)))
     assert torch.isfinite(logits).all()
+
+
+def test_routing_report_compares_dense_and_student(workdir, capsys):
+    from torchtune_dtf.training import routing_report
+
+    overrides = dict(max_steps_per_epoch=2, save_every_n_steps=1000, **{"validation.every_n_steps": 1000})
+    for variant in ("dense", "stt"):
+        run_recipe(load_config(f"{variant}_train", output_dir=f"./{variant}_run", **overrides))
+    report = routing_report.main([
+        "--dense", str(TINY / "dense_train.yaml"), "dense_run/epoch_0",
+        "--routed", str(TINY / "stt_train.yaml"), "stt_run/epoch_0",
+        "--heldout", "corpus.jsonl", "--windows", "4", "--seq-len", "24", "--batch-size", "2",
+    ])
+    assert report["heldout_tokens"] == 4 * 23
+    assert all(math.isfinite(v) for v in report["loss"].values())
+    assert report["loss"]["routed_student"] != report["loss"]["dense"]
+    assert sorted(report["layers"]) == [1, 3]
+    for row in report["layers"].values():
+        assert row["teacher/teacher_fraction"] == 0.5  # top-k at γ = 0.5 on 24-token windows
+        assert 0 <= row["teacher/agreement_accuracy"] <= 1 and 0 <= row["student/selected_fraction"] <= 1
+    assert "routed student" in capsys.readouterr().out

@@ -538,6 +538,37 @@ def write_task(items: Sequence[Dict], task_dir: PathLike, task_name: str = DEFAU
     return yaml_path
 
 
+PERPLEXITY_TASK_NAME = "heldout_text_perplexity"
+
+
+def write_perplexity_task(data_file: PathLike, task_dir: PathLike, task_name: str = PERPLEXITY_TASK_NAME) -> Path:
+    """Write an lm-eval ``loglikelihood_rolling`` task scoring every held-out document of ``data_file``
+    (JSONL with a ``text`` field): word/byte perplexity and bits per byte. Returns the YAML path."""
+    data_file = Path(data_file).resolve()
+    yaml_path = Path(task_dir).resolve() / f"{task_name}.yaml"
+    yaml_path.parent.mkdir(parents=True, exist_ok=True)
+    yaml_path.write_text(
+        f"# Written by torchtune_dtf.data.corpus: perplexity of held-out text.\n"
+        f"task: {task_name}\n"
+        f"dataset_path: json\n"
+        f"dataset_kwargs:\n"
+        f"  data_files:\n"
+        f"    test: {json.dumps(str(data_file))}\n"
+        f"test_split: test\n"
+        f"output_type: loglikelihood_rolling\n"
+        f'doc_to_text: ""\n'
+        f'doc_to_target: "{{{{text}}}}"\n'
+        f"metric_list:\n"
+        f"  - metric: word_perplexity\n"
+        f"  - metric: byte_perplexity\n"
+        f"  - metric: bits_per_byte\n"
+        f"metadata:\n"
+        f"  version: 1.0\n",
+        encoding="utf-8",
+    )
+    return yaml_path
+
+
 # --------------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------------
@@ -612,6 +643,7 @@ def prepare_corpus(
     _write_jsonl(out / HELDOUT_FILE, held)
     items = make_next_sentence_items(held, task_items, seed, distractors=task_distractors)
     yaml_path = write_task(items, out / TASK_DIR, task_name)
+    perplexity_yaml = write_perplexity_task(out / HELDOUT_FILE, out / TASK_DIR)
 
     tokenizer = None
     if tokenizer_dir is not None:
@@ -639,6 +671,7 @@ def prepare_corpus(
             "items": len(items),
             "distractors": task_distractors,
             "include_path": str(yaml_path.parent),
+            "perplexity_task": {"name": PERPLEXITY_TASK_NAME, "yaml": str(perplexity_yaml)},
         },
         "files": {"train": str((out / TRAIN_FILE).resolve()), "heldout": str((out / HELDOUT_FILE).resolve())},
     }

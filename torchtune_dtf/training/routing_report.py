@@ -1,0 +1,136 @@
+"""Compare fine-tuned dense and routed checkpoints on held-out text.
+
+    python -m torchtune_dtf.training.routing_report \
+        --dense configs/quickstart/dense_smollm2.yaml quickstart_work/dense/epoch_0 \
+        --routed configs/quickstart/stt_smollm2.yaml quickstart_work/stt/epoch_0 \
+        --heldout quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256
+
+For each model it reports the held-out LM loss (per token, on the same fixed windows of the concatenated
+held-out documents). For the routed model it reports the loss of the student (causal routing, what is
+deployed) and of the teacher at the final β of the training schedule, each routed layer's executed
+fraction under the student, and the teacher–student agreement (accuracy, precision, recall) of the
+causal router against the teacher's selection.
+"""
+
+import argparse
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torchtune import config, training
+
+from torchtune_dtf.modules.routing_context import RoutingContext
+from torchtune_dtf.training.routing_losses import routing_metrics
+
+
+def heldout_windows(tokenizer, heldout_file: Path, seq_len: int, num_windows: int) -> torch.Tensor:
+    """The first ``num_windows`` windows of ``seq_len`` tokens of the concatenated held-out documents."""
+    ids: List[int] = []
+    with open(heldout_file, encoding="utf-8") as f:
+        for line in f:
+            ids += tokenizer.encode(json.loads(line)["text"], add_bos=False, add_eos=True)
+            if len(ids) >= seq_len * num_windows:
+                break
+    if len(ids) < seq_len * num_windows:
+        raise ValueError(f"{heldout_file} holds {len(ids)} tokens, fewer than {num_windows} windows of {seq_len}")
+    return torch.tensor(ids[: seq_len * num_windows]).view(num_windows, seq_len)
+
+
+def load_trained(cfg: DictConfig, checkpoint_dir: Path) -> torch.nn.Module:
+    """The config's model with the weights saved in ``checkpoint_dir`` (an ``epoch_N`` folder)."""
+    files = sorted(p.name for p in checkpoint_dir.glob("model-*.safetensors"))
+    if not files:
+        raise ValueError(f"{checkpoint_dir} holds no model-*.safetensors files")
+    ckpt_cfg = OmegaConf.merge(cfg.checkpointer, {"checkpoint_dir": str(checkpoint_dir), "checkpoint_files": files})
+    ckpt_cfg.output_dir = str(checkpoint_dir.parent / "report")
+    with training.set_default_dtype(torch.float32):
+        model = config.instantiate(cfg.model)
+    model.load_state_dict(config.instantiate(ckpt_cfg).load_checkpoint()[training.MODEL_KEY], strict=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def heldout_loss(model, windows: torch.Tensor, routing: Optional[RoutingContext], batch_size: int) -> float:
+    total, count = 0.0, 0
+    for batch in windows.split(batch_size):
+        ctx = None if routing is None else RoutingContext(mode=routing.mode, beta_ce=routing.beta_ce, beta_cu=routing.beta_cu)
+        logits = model(batch, routing=ctx)
+        total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return total / count
+
+
+@torch.no_grad()
+def layer_report(model, windows: torch.Tensor, beta_ce: float, beta_cu: float, batch_size: int) -> Dict[int, Dict[str, float]]:
+    """Per routed layer, averaged over batches: student executed fraction, teacher fraction, agreement."""
+    sums: Dict[str, float] = {}
+    batches = 0
+    for batch in windows.split(batch_size):
+        student = RoutingContext(mode="student")
+        model(batch, routing=student)
+        teacher = RoutingContext(mode="teacher", beta_ce=beta_ce, beta_cu=beta_cu)
+        model(batch, routing=teacher)
+        for key, value in {**routing_metrics(student, "student"), **routing_metrics(teacher, "teacher")}.items():
+            sums[key] = sums.get(key, 0.0) + value
+        batches += 1
+    layers: Dict[int, Dict[str, float]] = {}
+    for key, value in sums.items():
+        prefix, layer, name = key.split("/")
+        layers.setdefault(int(layer.split("_")[1]), {})[f"{prefix}/{name}"] = value / batches
+    return dict(sorted(layers.items()))
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    parser = argparse.ArgumentParser(prog="python -m torchtune_dtf.training.routing_report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dense", nargs=2, metavar=("CONFIG", "CHECKPOINT_DIR"), required=True)
+    parser.add_argument("--routed", nargs=2, metavar=("CONFIG", "CHECKPOINT_DIR"), required=True)
+    parser.add_argument("--heldout", type=Path, required=True, help="JSONL with a 'text' field")
+    parser.add_argument("--windows", type=int, required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args(argv)
+
+    dense_cfg, routed_cfg = OmegaConf.load(args.dense[0]), OmegaConf.load(args.routed[0])
+    windows = heldout_windows(config.instantiate(routed_cfg.tokenizer), args.heldout, args.seq_len, args.windows)
+    dense = load_trained(dense_cfg, Path(args.dense[1]))
+    routed = load_trained(routed_cfg, Path(args.routed[1]))
+    beta = routed_cfg.beta_schedule
+    final = RoutingContext(mode="teacher", beta_ce=beta.beta_ce_end, beta_cu=beta.beta_cu_end)
+    report = {
+        "heldout_tokens": int(windows[:, 1:].numel()),
+        "loss": {
+            "dense": heldout_loss(dense, windows, None, args.batch_size),
+            "routed_student": heldout_loss(routed, windows, RoutingContext(mode="student"), args.batch_size),
+            "routed_teacher": heldout_loss(routed, windows, final, args.batch_size),
+        },
+        "layers": layer_report(routed, windows, final.beta_ce, final.beta_cu, args.batch_size),
+    }
+
+    loss = report["loss"]
+    print(f"\nHeld-out LM loss per token ({report['heldout_tokens']} tokens, {args.windows} windows of {args.seq_len}):")
+    print(f"  dense          {loss['dense']:.4f}   (perplexity {torch.tensor(loss['dense']).exp():.1f})")
+    print(f"  routed student {loss['routed_student']:.4f}   (perplexity {torch.tensor(loss['routed_student']).exp():.1f})  <- deployed")
+    print(f"  routed teacher {loss['routed_teacher']:.4f}   (β_ce={final.beta_ce}, β_cu={final.beta_cu})")
+    print("\nPer routed layer: executed fraction (student, teacher) and teacher–student agreement")
+    print("  layer  student  teacher  accuracy  precision  recall")
+    for idx, row in report["layers"].items():
+        print(
+            f"  {idx:5d}  {row['student/selected_fraction']:7.3f}  {row['teacher/teacher_fraction']:7.3f}"
+            f"  {row['teacher/agreement_accuracy']:8.3f}  {row['teacher/agreement_precision']:9.3f}"
+            f"  {row['teacher/agreement_recall']:6.3f}"
+        )
+    mean = lambda key: sum(r[key] for r in report["layers"].values()) / len(report["layers"])  # noqa: E731
+    print(f"  mean   {mean('student/selected_fraction'):7.3f}  {mean('teacher/teacher_fraction'):7.3f}"
+          f"  {mean('teacher/agreement_accuracy'):8.3f}  {mean('teacher/agreement_precision'):9.3f}"
+          f"  {mean('teacher/agreement_recall'):6.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
