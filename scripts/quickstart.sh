@@ -23,7 +23,8 @@ stamp() { echo "== [$(( $(date +%s) - start )) s] $*"; }
 stamp "setting up .venv"
 bash scripts/setup_env.sh eval,quickstart
 PY=.venv/bin/python
-TUNE=.venv/bin/tune
+TUNE="$PWD/.venv/bin/tune"
+REPO="$PWD"
 mkdir -p "$WORK/downloads"
 
 if [ ! -f "$WORK/smollm2_hf/model.safetensors" ]; then
@@ -52,8 +53,8 @@ for variant in stt dense; do
 done
 
 stamp "evaluating the STT student with tune run eleuther_eval"
-(cd "$WORK" && "../$TUNE" run eleuther_eval --config ../configs/quickstart/eval_stt_smollm2.yaml) 2>&1 \
-    | tee "$WORK/eval_stt.log" | grep -E "^\|" || true
+(cd "$WORK" && "$TUNE" run eleuther_eval --config "$REPO/configs/quickstart/eval_stt_smollm2.yaml") 2>&1 \
+    | tee "$WORK/eval_stt.log" | grep -E "^\|"
 
 stamp "report"
 "$PY" -m torchtune_dtf.training.routing_report \
