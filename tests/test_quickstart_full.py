@@ -30,5 +30,5 @@ def test_quickstart_runs_and_reports():
         assert 0.0 <= row["student/selected_fraction"] <= 1.0
         assert row["teacher/teacher_fraction"] == pytest.approx(0.5, abs=0.01)
     eval_log = (work / "eval_stt.log").read_text()
-    assert "heldout_text_perplexity" in eval_log and "heldout_next_sentence" in eval_log
+    assert "heldout_next_sentence" in eval_log and "acc" in eval_log
     assert "Held-out LM loss per token" in proc.stdout
