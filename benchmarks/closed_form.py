@@ -1,0 +1,385 @@
+"""Closed-form FLOP and byte counts of dense and routed Qwen2 decoders (no torch needed).
+
+Conventions (the same ones ``torch.utils.flop_counter.FlopCounterMode`` uses, so measured and closed-form
+numbers are comparable term by term):
+
+* FLOPs are matmul FLOPs only, 2 per multiply-add. Biases, norms, RoPE, softmax, gathers and scatters count 0.
+* Linear work of one block per token: q and o are d × (n_h·h_d), k and v are d × (n_kv·h_d), the SwiGLU MLP is
+  three d × d_ff matrices: ``2·d·(2·n_h·h_d + 2·n_kv·h_d) + 6·d·d_ff``.
+* Attention of n_q queries over n_k keys: ``4·n_h·h_d·n_q·n_k`` (scores and weighted values, every query head).
+  This is the full rectangle, which is what FlopCounterMode counts for SDPA even with ``is_causal`` (and what
+  the CPU kernel actually computes when an explicit mask is passed). With ``is_causal`` the CPU flash kernel
+  skips the blocks above the diagonal, so the work it *does* is about half; the routed/dense attention ratio
+  is the same either way, (1 + γ²)/2 with half the layers routed, because both sides halve.
+* LM head: ``2·d·V`` per token (tied embedding in the 0.5B–3B shapes; the embedding lookup itself is free).
+* Routers: the causal (student) router is RMSNorm → Linear(c·d → h) → SiLU → Linear(h → 1), c = 2 with the
+  previous-token input; the MoD router is Linear(d → 1) and, in student mode, also gives the gate σ(r), so it
+  runs on every token at inference too; PriorFFN/TPN are SwiGLU d → d_p → d (teacher/training only).
+* Training (forward + backward): every matmul that carries gradient costs 3× its forward (dgrad + wgrad);
+  attention costs 3.5× (torch's SDPA backward formula counts 5 bmm-equivalents against the forward's 2: the
+  flash backward recomputes the scores); STT's dense teacher pass of each routed block runs without
+  gradient and costs 1× a dense block forward.
+* Bytes (decode): a step reads the weights of every block that runs (once per batch, whatever the number of
+  rows that run it), the LM head (= the tied embedding matrix), the routers of every routed layer, and every
+  KV entry each running row attends to. Activations are ignored (tiny at decode).
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Architecture numbers of a Qwen2 decoder."""
+
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    embed_dim: int
+    intermediate_dim: int
+    tie_word_embeddings: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    # ---- FLOPs -------------------------------------------------------------------------------
+    @property
+    def block_linear_flops_per_token(self) -> int:
+        d, hd = self.embed_dim, self.head_dim
+        return 2 * d * (2 * self.num_heads * hd + 2 * self.num_kv_heads * hd) + 6 * d * self.intermediate_dim
+
+    def attention_flops(self, n_queries: int, n_keys: int) -> int:
+        return 4 * self.num_heads * self.head_dim * n_queries * n_keys
+
+    @property
+    def lm_head_flops_per_token(self) -> int:
+        return 2 * self.embed_dim * self.vocab_size
+
+    # ---- parameters / bytes --------------------------------------------------------------------
+    @property
+    def block_params(self) -> int:
+        d, hd = self.embed_dim, self.head_dim
+        q = d * self.num_heads * hd + self.num_heads * hd
+        kv = 2 * (d * self.num_kv_heads * hd + self.num_kv_heads * hd)
+        o = self.num_heads * hd * d
+        mlp = 3 * d * self.intermediate_dim
+        return q + kv + o + mlp + 2 * d
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.embed_dim
+
+    @property
+    def lm_head_params(self) -> int:
+        """Parameters read by the LM head at each decode step (the tied embedding, or the output matrix)."""
+        return self.vocab_size * self.embed_dim
+
+    @property
+    def total_params(self) -> int:
+        untied = 0 if self.tie_word_embeddings else self.vocab_size * self.embed_dim
+        return self.num_layers * self.block_params + self.embedding_params + untied + self.embed_dim
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """K and V values stored per token per layer (all KV heads)."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class RoutingShape:
+    """What a routed variant adds: which layers are routed, at which capacity, and the routers' sizes."""
+
+    variant: str  # dense | mod | sdt | stt
+    routed_layers: Tuple[int, ...] = ()
+    capacity: Tuple[float, ...] = ()
+    router_hidden: int = 0
+    router_inputs: int = 1  # 2 with causal_router_input="current_previous"
+    predictor_width: int = 0  # PriorFFN/TPN width d_p (SDT/STT)
+
+    @classmethod
+    def dense(cls) -> "RoutingShape":
+        return cls(variant="dense")
+
+    def gamma_of(self) -> Dict[int, float]:
+        return dict(zip(self.routed_layers, self.capacity))
+
+    def decision_layers(self) -> Tuple[int, ...]:
+        return tuple(i - 1 for i in self.routed_layers) if self.variant == "sdt" else ()
+
+    # ---- router sizes ----------------------------------------------------------------------------
+    def causal_router_flops_per_token(self, shape: ModelShape) -> int:
+        return 2 * (self.router_inputs * shape.embed_dim * self.router_hidden + self.router_hidden)
+
+    def mod_router_flops_per_token(self, shape: ModelShape) -> int:
+        return 2 * shape.embed_dim if self.variant == "mod" else 0
+
+    def predictor_flops_per_token(self, shape: ModelShape) -> int:
+        return 6 * shape.embed_dim * self.predictor_width
+
+    def router_params_per_layer(self, shape: ModelShape) -> int:
+        """Parameters of the routers a routed layer reads at inference (causal router, MoD router)."""
+        d, h = shape.embed_dim, self.router_hidden
+        causal = d + self.router_inputs * d * h + h + h + 1
+        return causal + (d if self.variant == "mod" else 0)
+
+
+def num_selected(gamma: float, seq_len: int) -> int:
+    """k = floor(γ·T), as the routed layers compute it."""
+    import math
+
+    return int(math.floor(gamma * seq_len))
+
+
+def forward_flops(
+    shape: ModelShape,
+    routing: RoutingShape,
+    seq_len: int,
+    *,
+    batch: int = 1,
+    mode: str = "student",
+    selected: Optional[Dict[int, int]] = None,
+) -> Dict[str, int]:
+    """FLOPs of one forward over ``batch`` rows of ``seq_len`` tokens, by category.
+
+    Args:
+        shape: architecture.
+        routing: routed layers and routers (``RoutingShape.dense()`` for the dense model).
+        seq_len: T.
+        batch: b.
+        mode: ``"student"`` (inference: causal router, top-k/threshold) or ``"teacher"`` (training forward;
+            adds MoD router / PriorFFN / TPN, and STT's dense teacher pass in ``teacher_pass``).
+        selected: tokens per row that run each routed layer (default floor(γ·T)); for a ragged threshold
+            selection pass the padded count (the executor pads rows to the largest count).
+
+    Returns:
+        Dict with ``block_linear``, ``attention``, ``lm_head``, ``routers``, ``teacher_pass`` (no-grad FLOPs,
+        STT teacher only) and ``total``; each already multiplied by ``batch``.
+    """
+    T = seq_len
+    gammas = routing.gamma_of()
+    selected = dict(selected or {})
+    out = dict(block_linear=0, attention=0, lm_head=0, routers=0, teacher_pass=0)
+    for layer in range(shape.num_layers):
+        if layer in gammas:
+            k = selected.get(layer, num_selected(gammas[layer], T))
+            out["block_linear"] += k * shape.block_linear_flops_per_token
+            out["attention"] += shape.attention_flops(k, k)
+            out["routers"] += T * routing.causal_router_flops_per_token(shape)
+            out["routers"] += T * routing.mod_router_flops_per_token(shape)
+            if mode == "teacher" and routing.variant == "stt":
+                out["teacher_pass"] += T * shape.block_linear_flops_per_token + shape.attention_flops(T, T)
+                out["routers"] += T * routing.predictor_flops_per_token(shape)
+        else:
+            out["block_linear"] += T * shape.block_linear_flops_per_token
+            out["attention"] += shape.attention_flops(T, T)
+            if mode == "teacher" and layer in routing.decision_layers():
+                out["routers"] += T * routing.predictor_flops_per_token(shape)
+    out["lm_head"] = T * shape.lm_head_flops_per_token
+    out = {key: value * batch for key, value in out.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def train_flops(shape: ModelShape, routing: RoutingShape, seq_len: int, *, batch: int = 1) -> Dict[str, int]:
+    """Forward + backward FLOPs of one training micro-step (teacher mode for routed variants).
+
+    Matmuls with gradient cost 3× their forward, attention 3.5× (SDPA backward = 2.5× forward in torch's
+    count); STT's no-grad dense teacher pass costs 1×.
+    """
+    fwd = forward_flops(shape, routing, seq_len, batch=batch, mode="teacher" if routing.variant != "dense" else "student")
+    out = {key: 3 * value for key, value in fwd.items() if key not in ("total", "teacher_pass", "attention")}
+    out["attention"] = int(3.5 * fwd["attention"])
+    out["teacher_pass"] = fwd["teacher_pass"]
+    out["total"] = sum(out.values())
+    return out
+
+
+def flop_ratio(
+    shape: ModelShape, routing: RoutingShape, seq_len: int, *, training: bool = False, include_routers: bool = True
+) -> float:
+    fn = train_flops if training else forward_flops
+    routed = fn(shape, routing, seq_len)
+    dense = fn(shape, RoutingShape.dense(), seq_len)
+    num = routed["total"] - (0 if include_routers else routed["routers"])
+    return num / dense["total"]
+
+
+def category_ratios(shape: ModelShape, routing: RoutingShape, seq_len: int) -> Dict[str, float]:
+    """Routed/dense ratio of each forward category (decoder linear, attention, whole model, whole model with
+    routers) and the routers' share of the dense total."""
+    r = forward_flops(shape, routing, seq_len)
+    d = forward_flops(shape, RoutingShape.dense(), seq_len)
+    return {
+        "block_linear": r["block_linear"] / d["block_linear"],
+        "attention": r["attention"] / d["attention"],
+        "total_ideal": (r["total"] - r["routers"]) / d["total"],
+        "total": r["total"] / d["total"],
+        "routers_share": r["routers"] / d["total"],
+    }
+
+
+# ---- decode bytes ----------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeStepTraffic:
+    """Bytes one decode step reads, split by source (see :func:`decode_step_bytes`)."""
+
+    block_weights: float = 0.0
+    kv: float = 0.0
+    lm_head: float = 0.0
+    routers: float = 0.0
+    parts: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.block_weights + self.kv + self.lm_head + self.routers
+
+
+def decode_step_bytes(
+    shape: ModelShape,
+    routing: RoutingShape,
+    *,
+    bytes_per_value: int,
+    batch: int,
+    context: float,
+    runs: Optional[Dict[int, float]] = None,
+    kv_entries: Optional[Dict[int, float]] = None,
+) -> DecodeStepTraffic:
+    """Bytes read by one decode step.
+
+    Args:
+        shape, routing: the model.
+        bytes_per_value: 4 for fp32, 2 for bf16.
+        batch: rows decoded together.
+        context: entries attended per row in a standard layer (cache length).
+        runs: per routed layer, the probability (or measured fraction of steps) that at least one row runs
+            the block, i.e. that its weights are read. Default: 1 − (1 − γ)^b.
+        kv_entries: per routed layer, KV entries read per step summed over rows. Default: b·γ·(γ·context)
+            (each running row reads its own cache of about γ·context entries).
+    """
+    gammas = routing.gamma_of()
+    runs = dict(runs or {})
+    kv_entries = dict(kv_entries or {})
+    bpv = bytes_per_value
+    traffic = DecodeStepTraffic()
+    for layer in range(shape.num_layers):
+        if layer in gammas:
+            g = gammas[layer]
+            p_run = runs.get(layer, 1.0 - (1.0 - g) ** batch)
+            entries = kv_entries.get(layer, batch * g * g * context)
+            traffic.block_weights += p_run * shape.block_params * bpv
+            traffic.kv += entries * shape.kv_values_per_token * bpv
+            traffic.routers += routing.router_params_per_layer(shape) * bpv
+        else:
+            traffic.block_weights += shape.block_params * bpv
+            traffic.kv += batch * context * shape.kv_values_per_token * bpv
+    traffic.lm_head = (shape.lm_head_params + shape.embed_dim) * bpv
+    return traffic
+
+
+def decode_bytes_ratio(
+    shape: ModelShape, routing: RoutingShape, *, bytes_per_value: int, batch: int, context: float, **measured
+) -> Dict[str, float]:
+    """Routed/dense ratio of decode-step bytes, with and without the routers' own weights."""
+    dense = decode_step_bytes(shape, RoutingShape.dense(), bytes_per_value=bytes_per_value, batch=batch, context=context)
+    routed = decode_step_bytes(shape, routing, bytes_per_value=bytes_per_value, batch=batch, context=context, **measured)
+    return {
+        "ratio": routed.total / dense.total,
+        "ratio_ideal": (routed.total - routed.routers) / dense.total,
+        "routers_share": routed.routers / dense.total,
+        "dense_bytes": dense.total,
+        "routed_bytes": routed.total,
+    }
+
+
+def decode_step_flops(
+    shape: ModelShape,
+    routing: RoutingShape,
+    *,
+    batch: int,
+    context: float,
+    rows: Optional[Dict[int, float]] = None,
+    kv_entries: Optional[Dict[int, float]] = None,
+) -> float:
+    """Matmul FLOPs of one decode step: standard layers run every row over ``context`` keys; routed layer l
+    runs ``rows[l]`` rows (default b·γ) over ``kv_entries[l]`` keys in total (default b·γ·γ·context); the
+    LM head and the routers run every row."""
+    gammas = routing.gamma_of()
+    rows = dict(rows or {})
+    kv_entries = dict(kv_entries or {})
+    attn_per_key = 4 * shape.num_heads * shape.head_dim
+    total = 0.0
+    for layer in range(shape.num_layers):
+        if layer in gammas:
+            g = gammas[layer]
+            total += rows.get(layer, batch * g) * shape.block_linear_flops_per_token
+            total += attn_per_key * kv_entries.get(layer, batch * g * g * context)
+            total += batch * (routing.causal_router_flops_per_token(shape) + routing.mod_router_flops_per_token(shape))
+        else:
+            total += batch * (shape.block_linear_flops_per_token + attn_per_key * context)
+    return total + batch * shape.lm_head_flops_per_token
+
+
+def kv_cache_ratio(shape: ModelShape, routing: RoutingShape, executed_fraction: Dict[int, float]) -> float:
+    """Whole-model KV bytes routed/dense when routed layer l holds γ̄_l of the tokens: with half the layers
+    routed at a common γ̄ this is (1 + γ̄)/2."""
+    total = 0.0
+    for layer in range(shape.num_layers):
+        total += executed_fraction.get(layer, 1.0) if layer in routing.routed_layers else 1.0
+    return total / shape.num_layers
+
+
+# ---- shapes of the package's builders ------------------------------------------------------------
+
+
+def model_shape(size: str, vocab_size: Optional[int] = None) -> ModelShape:
+    """:class:`ModelShape` of ``torchtune_dtf.models.qwen2_5.QWEN2_5_SHAPES[size]``."""
+    from torchtune_dtf.models.qwen2_5 import QWEN2_5_SHAPES
+
+    s = QWEN2_5_SHAPES[size]
+    vocab = vocab_size if vocab_size is not None else s.get("vocab_size", 512)
+    return ModelShape(
+        vocab_size=vocab,
+        num_layers=s["num_layers"],
+        num_heads=s["num_heads"],
+        num_kv_heads=s["num_kv_heads"],
+        embed_dim=s["embed_dim"],
+        intermediate_dim=s["intermediate_dim"],
+        tie_word_embeddings=s["tie_word_embeddings"],
+    )
+
+
+def routing_shape(variant: str, num_layers: int, embed_dim: int, routing: Dict) -> RoutingShape:
+    """:class:`RoutingShape` from a builder's routing kwargs, resolved by the package's own validator."""
+    if variant == "dense":
+        return RoutingShape.dense()
+    from torchtune_dtf.models.routing_config import validate_routing
+    from torchtune_dtf.modules.predictors import predictor_width
+
+    spec = validate_routing(variant, num_layers, **routing)
+    return RoutingShape(
+        variant=variant,
+        routed_layers=tuple(spec.routed_layers),
+        capacity=tuple(spec.capacity),
+        router_hidden=spec.causal_router_hidden_dim,
+        router_inputs=2 if spec.causal_router_input == "current_previous" else 1,
+        predictor_width=predictor_width(spec.prior_factor, embed_dim) if variant in ("sdt", "stt") else 0,
+    )
+
+
+def every_other(shape: ModelShape, variant: str, gamma: float, *, router_hidden: int = 256, router_inputs: int = 1,
+                predictor_width: int = 0) -> RoutingShape:
+    """Routing on every other layer (1, 3, 5, …) at capacity γ — the papers' setting."""
+    layers = tuple(range(1, shape.num_layers, 2))
+    return RoutingShape(variant=variant, routed_layers=layers, capacity=(gamma,) * len(layers),
+                        router_hidden=router_hidden, router_inputs=router_inputs, predictor_width=predictor_width)
+
+
+def fmt_flops(value: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3f} {unit}FLOP"
+    return f"{value:.0f} FLOP"
+

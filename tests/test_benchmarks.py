@@ -1,0 +1,136 @@
+"""Smoke test of the benchmark suite (benchmarks/) on the tiny shape.
+
+Asserts only deterministic quantities: the closed forms (issue #4's numbers for the Qwen2.5-0.5B shape) and
+FlopCounterMode counts of the package's own models against them. Timings are run once to exercise the code
+paths, never asserted.
+"""
+
+import math
+
+import pytest
+import torch
+
+from benchmarks import closed_form as cf
+from benchmarks import run as bench
+from benchmarks.common import build_dense, build_like, categorize_flops, flop_counter, routing_for, shapes_for
+from torchtune_dtf.modules import RoutedSelfAttentionLayer
+
+GAMMAS = (0.25, 0.5, 0.75)
+
+
+# ---- closed forms -----------------------------------------------------------------------------------
+
+
+def test_qwen0_5b_shape_matches_the_issue():
+    shape = cf.model_shape("0_5b")
+    assert round(shape.total_params / 1e6) == 494
+    assert round(shape.embedding_params / 1e6) == 136
+    assert shape.block_params == 14_912_384
+
+
+@pytest.mark.parametrize("variant,inputs,width", [("mod", 1, 0), ("sdt", 1, 56), ("stt", 2, 56)])
+def test_closed_form_ratios_at_half_capacity_every_other_layer(variant, inputs, width):
+    shape = cf.model_shape("0_5b")
+    routing = cf.every_other(shape, variant, 0.5, router_inputs=inputs, predictor_width=width)
+    ratios = cf.category_ratios(shape, routing, 512)
+    assert ratios["block_linear"] == pytest.approx(0.75)
+    assert ratios["attention"] == pytest.approx(0.625, abs=2e-3)  # (1 + γ²)/2 up to floor(γT)
+    assert ratios["total_ideal"] == pytest.approx(0.81, abs=0.01)  # "about 0.82" in the issue
+    assert 0 < ratios["routers_share"] < 0.015
+    decode = cf.decode_bytes_ratio(shape, routing, bytes_per_value=4, batch=1, context=1024)
+    assert decode["ratio_ideal"] == pytest.approx(0.82, abs=0.01)  # decode weight-traffic ≈ prefill FLOP ratio
+    assert cf.kv_cache_ratio(shape, routing, {i: 0.5 for i in routing.routed_layers}) == pytest.approx(0.75)
+
+
+def test_closed_form_terms():
+    shape = cf.ModelShape(vocab_size=10, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=8, intermediate_dim=16)
+    # q, o: 8×8; k, v: 8×4; MLP 3 × 8×16 → 2·(64+64+32+32) + 2·384 per token
+    assert shape.block_linear_flops_per_token == 2 * (64 + 64 + 32 + 32) + 2 * 3 * 8 * 16
+    assert shape.attention_flops(3, 5) == 4 * 4 * 2 * 3 * 5
+    routing = cf.RoutingShape("mod", routed_layers=(1,), capacity=(0.5,), router_hidden=6, router_inputs=1)
+    f = cf.forward_flops(shape, routing, 8, batch=2)
+    dense = cf.forward_flops(shape, cf.RoutingShape.dense(), 8, batch=2)
+    assert f["block_linear"] == 2 * (8 + 4) * shape.block_linear_flops_per_token
+    assert f["attention"] == 2 * (shape.attention_flops(8, 8) + shape.attention_flops(4, 4))
+    assert f["routers"] == 2 * 8 * (2 * (8 * 6 + 6) + 2 * 8)
+    assert f["lm_head"] == dense["lm_head"] == 2 * 8 * 2 * 8 * 10
+    t = cf.train_flops(shape, routing, 8)
+    assert t["total"] == 3 * (f["total"] - f["attention"]) // 2 + int(3.5 * f["attention"] / 2)
+    # Decode at batch 1 reads a routed block's weights with probability γ, and γ·(γ·ctx) KV entries.
+    step = cf.decode_step_bytes(shape, routing, bytes_per_value=4, batch=1, context=100)
+    assert step.block_weights == pytest.approx(1.5 * shape.block_params * 4)
+    assert step.kv == pytest.approx((100 + 25) * shape.kv_values_per_token * 4)
+
+
+# ---- measured FLOPs against the closed forms ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return build_dense("tiny")
+
+
+@pytest.mark.parametrize("variant", ["mod", "sdt", "stt"])
+def test_measured_forward_flops_match_closed_form(dense, variant):
+    shape = cf.model_shape("tiny")
+    T = 48
+    tokens = torch.randint(0, shape.vocab_size, (2, T))
+    with torch.no_grad(), flop_counter() as counter:
+        dense(tokens)
+    dense_measured = categorize_flops(counter)
+    assert dense_measured == {k: v for k, v in cf.forward_flops(shape, cf.RoutingShape.dense(), T, batch=2).items()
+                              if k != "teacher_pass"}
+    for gamma in GAMMAS:
+        routing = routing_for(variant, capacity=gamma, student="topk")
+        model = build_like(dense, variant, "tiny", **routing)
+        with torch.no_grad(), flop_counter() as counter:
+            model(tokens)
+        measured = categorize_flops(counter)
+        closed = cf.forward_flops(shape, shapes_for("tiny", variant, routing)[1], T, batch=2)
+        ratio = measured["total"] / dense_measured["total"]
+        closed_ratio = closed["total"] / dense_measured["total"]  # ideal + the routers' own cost
+        ideal = (closed["total"] - closed["routers"]) / dense_measured["total"]
+        assert abs(ratio - closed_ratio) <= 0.02 * closed_ratio, (gamma, ratio, closed_ratio)
+        assert ratio <= 1.02 * ideal + closed["routers"] / dense_measured["total"]
+        for key in ("block_linear", "attention", "lm_head", "routers"):
+            assert measured[key] == closed[key], (gamma, key)
+        k = math.floor(gamma * T)
+        assert measured["attention"] / dense_measured["attention"] == pytest.approx(
+            (2 * T * T + 2 * k * k) / (4 * T * T))
+
+
+@pytest.mark.parametrize("variant", ["dense", "mod", "sdt", "stt"])
+def test_measured_training_flops_match_closed_form(dense, variant):
+    shape = cf.model_shape("tiny")
+    routing = routing_for(variant, capacity=0.5)
+    model = build_like(dense, variant, "tiny", **routing)
+    tokens = torch.randint(0, shape.vocab_size, (2, 32))
+    measured = bench.count_train_flops(model, variant, tokens)
+    closed = cf.train_flops(shape, shapes_for("tiny", variant, routing)[1], 32, batch=2)
+    assert measured == closed["total"]
+
+
+def test_build_like_shares_the_backbone(dense):
+    model = build_like(dense, "stt", "tiny", **routing_for("stt", capacity=0.5))
+    dense_params = dict(dense.named_parameters())
+    for name, p in model.named_parameters():
+        if name in dense_params:
+            assert p is dense_params[name]
+    assert any(isinstance(layer, RoutedSelfAttentionLayer) for layer in model.layers)
+
+
+# ---- the suite end to end on the tiny shape (timings not asserted) ---------------------------------------
+
+
+def test_suite_runs_on_tiny_shape(tmp_path):
+    torch.manual_seed(0)
+    # FLOPs are covered above; this exercises the timing sections' code paths (decode with the selective
+    # cache at batch 1 and 4, KV accounting, overhead components, naive alternative).
+    results = bench.main(["decode", "overhead", "naive", "--size", "tiny", "--no-profile", "--out", str(tmp_path)])
+    assert (tmp_path / "results.md").read_text().startswith("Shape `tiny`")
+    for row in results["decode"]["kv"]:
+        # Bytes held by each routed layer's cache = its executed-token count × per-token bytes, and the whole
+        # model's ratio is the closed form at the measured executed fractions.
+        assert row["per_layer_entries_equal_executed"]
+        assert row["occupied_ratio"] == pytest.approx(row["closed"])
+    assert {r["batch"] for r in results["decode"]["rows"]} == {1, 4}
