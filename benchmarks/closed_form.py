@@ -15,7 +15,9 @@ numbers are comparable term by term):
 * Routers: the causal (student) router is RMSNorm → Linear(c·d → h) → SiLU → Linear(h → 1), c = 2 with the
   previous-token input; the MoD router is Linear(d → 1) and, in student mode, also gives the gate σ(r), so it
   runs on every token at inference too; PriorFFN/TPN are SwiGLU d → d_p → d (teacher/training only).
-* Training (forward + backward): every matmul that carries gradient costs 3× its forward (dgrad + wgrad);
+* Training (forward + backward): every matmul that carries gradient costs 3× its forward (dgrad + wgrad),
+  except the causal router's first layer, 2× (wgrad only: it reads detached layer inputs, with the RMSNorm
+  scale folded into its weight, so no input gradient exists);
   attention costs 3.5× (torch's SDPA backward formula counts 5 bmm-equivalents against the forward's 2: the
   flash backward recomputes the scores); STT's dense teacher pass of each routed block runs without
   gradient and costs 1× a dense block forward.
@@ -108,8 +110,12 @@ class RoutingShape:
         return tuple(i - 1 for i in self.routed_layers) if self.variant == "sdt" else ()
 
     # ---- router sizes ----------------------------------------------------------------------------
+    def causal_router_input_flops_per_token(self, shape: ModelShape) -> int:
+        """The causal router's first layer, Linear(c·d → h)."""
+        return 2 * self.router_inputs * shape.embed_dim * self.router_hidden
+
     def causal_router_flops_per_token(self, shape: ModelShape) -> int:
-        return 2 * (self.router_inputs * shape.embed_dim * self.router_hidden + self.router_hidden)
+        return self.causal_router_input_flops_per_token(shape) + 2 * self.router_hidden
 
     def mod_router_flops_per_token(self, shape: ModelShape) -> int:
         return 2 * shape.embed_dim if self.variant == "mod" else 0
@@ -184,11 +190,13 @@ def forward_flops(
 def train_flops(shape: ModelShape, routing: RoutingShape, seq_len: int, *, batch: int = 1) -> Dict[str, int]:
     """Forward + backward FLOPs of one training micro-step (teacher mode for routed variants).
 
-    Matmuls with gradient cost 3× their forward, attention 3.5× (SDPA backward = 2.5× forward in torch's
-    count); STT's no-grad dense teacher pass costs 1×.
+    Matmuls with gradient cost 3× their forward (the causal router's first layer 2×: no input gradient),
+    attention 3.5× (SDPA backward = 2.5× forward in torch's count); STT's no-grad dense teacher pass costs 1×.
     """
     fwd = forward_flops(shape, routing, seq_len, batch=batch, mode="teacher" if routing.variant != "dense" else "student")
     out = {key: 3 * value for key, value in fwd.items() if key not in ("total", "teacher_pass", "attention")}
+    # The causal router's first layer has no input gradient (detached inputs): 2× instead of 3×.
+    out["routers"] -= batch * seq_len * len(routing.gamma_of()) * routing.causal_router_input_flops_per_token(shape)
     out["attention"] = int(3.5 * fwd["attention"])
     out["teacher_pass"] = fwd["teacher_pass"]
     out["total"] = sum(out.values())

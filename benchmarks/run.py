@@ -18,11 +18,20 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-# Threads must be fixed before torch starts its pools: the box is 2 shared cores.
+# Process environment, fixed before torch (and glibc's malloc) start:
+# * threads: the box is 2 shared cores (see README);
+# * malloc: buffers of a few hundred MB (the [V, d] tied-embedding gradients, the [b, T, V] logits) are
+#   otherwise mmap'd fresh and page-faulted on every use, which on this VM costs seconds per training step
+#   and varies 2× between identical steps. Keeping freed memory in the heap makes a step's time the work's.
+#   Both models run under the same setting; set BENCH_SYSTEM_MALLOC=1 to measure with glibc's defaults.
+MALLOC_REUSE = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(10**11), "MALLOC_TOP_PAD_": str(10**9)}
 if __name__ == "__main__":
     _threads = next((sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--threads"), None)
     os.environ["OMP_NUM_THREADS"] = _threads or os.environ.get("BENCH_THREADS", "1")
     os.environ["MKL_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    if not os.environ.get("BENCH_SYSTEM_MALLOC") and any(os.environ.get(k) != v for k, v in MALLOC_REUSE.items()):
+        os.environ.update(MALLOC_REUSE)  # glibc reads these at start-up: run again under them
+        os.execv(sys.executable, [sys.executable, "-m", "benchmarks.run", *sys.argv[1:]])
 
 import torch
 from torchtune.modules import TransformerSelfAttentionLayer
@@ -66,18 +75,18 @@ PLANS = {
         flops_seq=512, flops_gammas=(0.25, 0.5, 0.75),
         prefill=[(1, 512), (1, 1024), (4, 512), (4, 1024)], prefill_rounds={1: 5, 4: 2},
         prefill_threshold=[(4, 512)],
-        train=(1, 256), train_rounds=3,
+        train=(1, 256), train_rounds=4, train_warmup=3,
         decode_ctx=(1024, 2048), decode_batch=(1, 8), decode_steps=8, decode_warmup=2, calib_seq=256,
         overhead_seq=1024, overhead_rounds=5, overhead_ragged_batch=4,
         naive_seq=1024, naive_model=(1, 512), naive_rounds=3,
         quick=dict(flops_gammas=(0.5,), prefill=[(1, 512), (4, 512)], prefill_rounds={1: 3, 4: 1}, prefill_threshold=[],
-                   train=(1, 128), train_rounds=2, decode_ctx=(1024,), decode_steps=6, overhead_rounds=3,
+                   train=(1, 128), train_rounds=3, decode_ctx=(1024,), decode_steps=6, overhead_rounds=3,
                    naive_model=None, naive_rounds=2),
     ),
     "tiny": dict(
         flops_seq=64, flops_gammas=(0.25, 0.5, 0.75),
         prefill=[(1, 64), (2, 64)], prefill_rounds={1: 1, 2: 1}, prefill_threshold=[(2, 64)],
-        train=(2, 32), train_rounds=1,
+        train=(2, 32), train_rounds=1, train_warmup=1,
         decode_ctx=(48,), decode_batch=(1, 4), decode_steps=3, decode_warmup=1, calib_seq=64,
         overhead_seq=64, overhead_rounds=1, overhead_ragged_batch=3,
         naive_seq=64, naive_model=(1, 32), naive_rounds=1,
@@ -319,9 +328,11 @@ def section_train(size: str, plan: Dict, dense, profile: bool) -> Dict:
         t3 = time.perf_counter()
         phases[name].append(dict(fwd=t1 - t0, bwd=t2 - t1, opt=t3 - t2, step=t3 - t0))
 
-    interleaved({name: (lambda n=name: step(n)) for name in models}, rounds=plan["train_rounds"], warmup=1)
+    # Warm-up steps: lazy optimizer state, and the heap growing to the step's peak (see MALLOC_REUSE).
+    warmup = plan["train_warmup"]
+    interleaved({name: (lambda n=name: step(n)) for name in models}, rounds=plan["train_rounds"], warmup=warmup)
     for name in models:
-        phases[name] = phases[name][1:]  # drop the warm-up (lazy optimizer state, allocator)
+        phases[name] = phases[name][warmup:]
     med = {name: {k: median(p[k] for p in phases[name]) for k in ("fwd", "bwd", "opt", "step")} for name in models}
     rows = []
     for variant in ("mod", "sdt", "stt"):
@@ -362,8 +373,16 @@ def restore_caches(model, snapshot, batch: int, max_len: int) -> None:
     delete_kv_caches(model)
     model.setup_caches(batch_size=batch, dtype=torch.float32, decoder_max_seq_len=max_len)
     for cache, saved in zip(_cache_modules(model), snapshot):
+        selective = hasattr(cache, "reserve")
+        if selective:  # starts at ⌈γ·max_len⌉ entries per row: make room for what the prompt stored
+            cache.reserve(saved["k_cache"].shape[2] - 1)
         for name, buf in cache.named_buffers():
-            buf.copy_(saved[name])  # broadcasts the single row over the batch
+            src = saved[name]
+            if selective and name in ("k_cache", "v_cache", "entry_slots"):  # entries, not the scratch slot
+                entry_dim = 2 if name != "entry_slots" else 1
+                src = src.narrow(entry_dim, 0, src.shape[entry_dim] - 1)
+                buf = buf.narrow(entry_dim, 0, src.shape[entry_dim])
+            buf.copy_(src)  # broadcasts the single row over the batch
 
 
 def kv_accounting(model, records, shape: cf.ModelShape, context: int) -> Dict:

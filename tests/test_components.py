@@ -68,16 +68,48 @@ def test_previous_token_states_reset_at_sequence_start():
     assert carried[:, 0, 0].tolist() == [9.0, 9.0]
 
 
+def _two_token_router_reference(router, x, positions, carried=None):
+    """The spec's definition, written out: MLP([RMSNorm(x_t) ‖ RMSNorm(x_{t−1})]), x_{t−1} = 0 at position 0."""
+    previous = previous_token_states(x, positions, carried)
+    features = torch.cat([router.norm(x), router.norm(previous)], dim=-1)
+    return router.out(torch.nn.functional.silu(router.hidden(features))).squeeze(-1)
+
+
 def test_two_token_causal_router_uses_the_previous_token():
     router = CausalRouter(embed_dim=8, hidden_dim=4, use_previous_token=True, norm_eps=1e-6, init_std=0.5)
     x = torch.randn(1, 5, 8)
-    prev = previous_token_states(x, torch.arange(5)[None])
-    base = router(x, prev)
+    positions = torch.arange(5)[None]
+    base = router(x, positions)
     x2 = x.clone()
     x2[0, 2] += 1.0
-    changed = router(x2, previous_token_states(x2, torch.arange(5)[None]))
+    changed = router(x2, positions)
     assert torch.equal(changed[0, :2], base[0, :2]) and torch.equal(changed[0, 4:], base[0, 4:])
     assert not torch.equal(changed[0, 3], base[0, 3])  # token 3 sees token 2 as its predecessor
+    with pytest.raises(ValueError, match="position ids"):
+        router(x)
+
+
+def test_two_token_causal_router_equals_the_concatenated_reference():
+    torch.manual_seed(0)
+    router = CausalRouter(embed_dim=8, hidden_dim=6, use_previous_token=True, norm_eps=1e-6, init_std=0.5)
+    with torch.no_grad():
+        router.norm.scale.uniform_(0.5, 1.5)
+        router.hidden.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]])  # row 1: left-padded
+    fused = router(x, positions)
+    reference = _two_token_router_reference(router, x, positions)
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6)
+    # Gradients reach the same parameters with the same values.
+    grads = torch.autograd.grad(fused.square().sum(), list(router.parameters()) + [x])
+    ref_grads = torch.autograd.grad(reference.square().sum(), list(router.parameters()) + [x])
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Decoding: a chunk that continues a sequence uses the carried input of the token before it.
+    carried = torch.randn(2, 8)
+    later = torch.tensor([[6, 7], [4, 5]])
+    torch.testing.assert_close(router(x[:, :2], later, carried),
+                               _two_token_router_reference(router, x[:, :2], later, carried), rtol=1e-5, atol=1e-6)
 
 
 def test_meta_build_of_0_5b_has_the_qwen_parameter_count():

@@ -1,5 +1,7 @@
 """Selective KV cache: prefill + decode equals a full student forward; only executed tokens write K/V."""
 
+import math
+
 import pytest
 import torch
 from torchtune.generation import generate
@@ -30,27 +32,36 @@ def decode_incrementally(model, tokens, prompt_len):
     return torch.cat(logits, dim=1), executed
 
 
-@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
-def test_prefill_then_decode_matches_full_forward(variant, tokens):
-    model = build_tiny(variant, student_threshold=0.5)
+def check_decode_matches_full_forward(model, tokens, prompt_len=9):
+    """Full student forward vs prompt prefill + token-by-token decode with caches; returns the
+    per-layer executed masks of the decode and the routed layers."""
     full_ctx = RoutingContext(mode="student")
     full = model(tokens, routing=full_ctx)
     model.setup_caches(batch_size=tokens.shape[0], dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
-    incremental, executed = decode_incrementally(model, tokens, prompt_len=9)
+    routed = [layer for layer in model.layers if isinstance(layer, RoutedSelfAttentionLayer)]
+    initial = {layer.layer_idx: layer.attn.kv_cache.allocated_entries for layer in routed}
+    incremental, executed = decode_incrementally(model, tokens, prompt_len)
     torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-4)
-    for layer in model.layers:
-        if not isinstance(layer, RoutedSelfAttentionLayer):
-            continue
+    for layer in routed:
         cache = layer.attn.kv_cache
-        assert isinstance(cache, SelectiveKVCache)
         ran = executed[layer.layer_idx]
         assert torch.equal(ran, full_ctx.layers[layer.layer_idx].selected_mask)
         # Each row holds exactly the tokens that ran the block, at their layout slots.
         assert cache.fill.tolist() == ran.sum(-1).tolist()
-        assert 0 < cache.fill.sum() < ran.numel(), "a routed layer that runs every token (or none) proves nothing"
         for row in range(tokens.shape[0]):
             n = int(cache.fill[row])
             assert cache.entry_slots[row, :n].tolist() == torch.nonzero(ran[row]).squeeze(-1).tolist()
+    return executed, routed, initial
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_prefill_then_decode_matches_full_forward(variant, tokens):
+    model = build_tiny(variant, student_threshold=0.5)
+    executed, routed, _ = check_decode_matches_full_forward(model, tokens)
+    for layer in routed:
+        assert isinstance(layer.attn.kv_cache, SelectiveKVCache)
+        ran = executed[layer.layer_idx]
+        assert 0 < ran.sum() < ran.numel(), "a routed layer that runs every token (or none) proves nothing"
 
 
 def test_skipped_tokens_write_no_kv(tokens):
@@ -64,9 +75,46 @@ def test_skipped_tokens_write_no_kv(tokens):
     for row in range(3):
         n = int(cache.fill[row])
         assert n == int(ran[row].sum())
-        assert cache.k_cache[row, :, n:MAX_LEN].abs().sum() == 0  # nothing written past the fill level
+        assert cache.k_cache[row, :, n:cache.allocated_entries].abs().sum() == 0  # nothing past the fill level
     # A standard layer's cache holds every token.
     assert model.layers[0].attn.kv_cache.size == tokens.shape[1]
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_cache_is_allocated_by_capacity_and_grows_without_losing_entries(variant, tokens):
+    # A low threshold makes the student run most tokens, more than the γ·max_seq_len allocated up front.
+    model = build_tiny(variant, student_threshold=0.2)
+    _, routed, initial = check_decode_matches_full_forward(model, tokens)
+    grown = 0
+    for layer in routed:
+        cache = layer.attn.kv_cache
+        assert initial[layer.layer_idx] == math.ceil(layer.capacity * MAX_LEN) < MAX_LEN
+        assert cache.allocated_entries >= int(cache.fill.max())
+        assert cache.k_cache.shape[2] == cache.allocated_entries + 1  # + the scratch slot
+        grown += cache.allocated_entries > initial[layer.layer_idx]
+    assert grown, "no cache outgrew its initial allocation; the growth path went untested"
+
+
+def test_cache_growth_keeps_entries_and_stops_at_max_seq_len():
+    cache = SelectiveKVCache(batch_size=2, num_kv_heads=1, head_dim=2, max_seq_len=10, embed_dim=4,
+                             dtype=torch.float32, initial_entries=2)
+    rows = torch.arange(2)
+    written = []
+    for step in range(5):  # two entries per row per step: 2 → 4 → 6 → 8 → 10 allocated
+        k = torch.randn(2, 1, 2, 2)
+        cache.append(rows, k, -k, torch.tensor([[2 * step, 2 * step + 1]] * 2), torch.ones(2, 2, dtype=torch.bool))
+        written.append(k)
+    assert cache.allocated_entries == 10 and cache.fill.tolist() == [10, 10]
+    keys, values, slots, valid = cache.entries(rows)
+    torch.testing.assert_close(keys, torch.cat(written, dim=2))
+    torch.testing.assert_close(values, -torch.cat(written, dim=2))
+    assert slots[0].tolist() == list(range(10)) and bool(valid.all())
+    with pytest.raises(RuntimeError, match="more than max_seq_len=10"):
+        cache.append(rows[:1], torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2), torch.tensor([[10]]),
+                     torch.ones(1, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="initial_entries"):
+        SelectiveKVCache(batch_size=1, num_kv_heads=1, head_dim=2, max_seq_len=4, embed_dim=4,
+                         dtype=torch.float32, initial_entries=5)
 
 
 def test_left_padded_batch_generates_like_each_row_alone():

@@ -91,7 +91,10 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
     def setup_caches(
         self, batch_size: int, dtype: torch.dtype, *, encoder_max_seq_len: int, decoder_max_seq_len: int
     ) -> None:
-        """Give this layer a :class:`SelectiveKVCache` instead of torchtune's shared-position cache."""
+        """Give this layer a :class:`SelectiveKVCache` instead of torchtune's shared-position cache.
+
+        The cache starts with room for ⌈γ·max_seq_len⌉ entries per row, what this layer runs at its
+        configured capacity, and grows only if a row executes more (threshold students can)."""
         attn = self.attn
         attn.kv_cache = SelectiveKVCache(
             batch_size=batch_size,
@@ -100,6 +103,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             max_seq_len=decoder_max_seq_len,
             embed_dim=attn.embed_dim,
             dtype=dtype,
+            initial_entries=max(1, math.ceil(self.capacity * decoder_max_seq_len)),
         )
         attn.cache_enabled = True
 
@@ -114,11 +118,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         self, x: torch.Tensor, positions: torch.Tensor, cache: Optional[SelectiveKVCache]
     ) -> torch.Tensor:
         """Causal router logits ``[b, s]`` from detached inputs (the student never trains the backbone)."""
-        x_in = x.detach()
-        previous = None
-        if self.causal_router.use_previous_token:
-            previous = previous_token_states(x_in, positions, None if cache is None else cache.last_input)
-        return self.causal_router(x_in, previous)
+        return self.causal_router(x.detach(), positions, None if cache is None else cache.last_input)
 
     def student_selection(
         self, logits: torch.Tensor, cache: Optional[SelectiveKVCache]

@@ -10,6 +10,7 @@
 from typing import List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import RMSNorm
 
@@ -88,20 +89,47 @@ class CausalRouter(nn.Module):
             nn.init.normal_(layer.weight, mean=0.0, std=self.init_std)
             nn.init.zeros_(layer.bias)
 
-    def forward(self, x: torch.Tensor, previous: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _normed_projection(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """(RMSNorm(x)·weightᵀ) ``[..., h]`` for ``x [..., d]`` and ``weight [h, d]``.
+
+        RMSNorm(x) = (x / rms(x)) ⊙ scale, so the product equals (x·(weight ⊙ scale)ᵀ) / rms(x): the
+        per-feature scale is folded into the (small) weight and the per-token 1/rms is applied to the
+        h-wide result, instead of writing two normalised ``[..., d]`` copies of the input.
+        """
+        inv_rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.norm.eps)
+        return F.linear(x, weight * self.norm.scale.to(weight.dtype)) * inv_rms.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, positions: Optional[torch.Tensor] = None, carried: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """
         Args:
             x (torch.Tensor): ``[b, s, d]`` layer inputs x_t^(l−1).
-            previous (Optional[torch.Tensor]): ``[b, s, d]`` x_{t−1}^(l−1) (zeros at sequence starts);
-                required when ``use_previous_token``.
+            positions (Optional[torch.Tensor]): ``[b, s]`` position ids; a token at position 0 has no
+                predecessor (x_0 = 0). Required when ``use_previous_token``.
+            carried (Optional[torch.Tensor]): ``[b, d]`` input of the token just before this chunk
+                (decoding with a cache); None at the start of a sequence.
 
         Returns:
             torch.Tensor: ``[b, s]`` logits r̃_t.
         """
-        features = self.norm(x)
-        if self.use_previous_token:
-            if previous is None:
-                raise ValueError("CausalRouter(use_previous_token=True) needs the previous-token states")
-            # RMSNorm of an all-zero state is zero, so x_0 = 0 stays 0.
-            features = torch.cat([features, self.norm(previous)], dim=-1)
-        return self.out(nn.functional.silu(self.hidden(features))).squeeze(-1)
+        embed_dim = x.shape[-1]
+        if not self.use_previous_token:
+            hidden = self._normed_projection(x, self.hidden.weight) + self.hidden.bias
+            return self.out(F.silu(hidden)).squeeze(-1)
+        if positions is None:
+            raise ValueError("CausalRouter(use_previous_token=True) needs the position ids of the tokens")
+        # hidden([n_t ‖ n_{t−1}]) = W_c·n_t + b + W_p·n_{t−1}. RMSNorm is per token, so every token is
+        # projected once through [W_c; W_p] and its W_p part is shifted one token later, instead of
+        # normalising and concatenating a shifted [b, s, 2d] copy of the input.
+        weight = self.hidden.weight  # [h, 2d] = [W_c | W_p]
+        both = self._normed_projection(x, torch.cat([weight[:, :embed_dim], weight[:, embed_dim:]], dim=0))
+        current, to_next = both.split(weight.shape[0], dim=-1)  # to_next: token t's term for token t+1
+        if carried is None:
+            first = torch.zeros_like(to_next[:, :1])
+        else:
+            first = self._normed_projection(carried.to(x.dtype), weight[:, embed_dim:])[:, None]
+        from_previous = torch.cat([first, to_next[:, :-1]], dim=1)
+        # RMSNorm(0) = 0, so a token at position 0 (sequence start, also after left padding) gets nothing.
+        hidden = current + self.hidden.bias + from_previous * (positions > 0)[..., None].to(current.dtype)
+        return self.out(F.silu(hidden)).squeeze(-1)

@@ -9,9 +9,14 @@ or by comparing slots when no mask is given.
 
 The cache also carries the last layer input of each row, which the two-token causal router needs for
 the first token of the next chunk.
+
+Memory follows what runs: the buffers start at ``initial_entries`` per row (the layer's capacity
+γ·max_seq_len, see ``RoutedSelfAttentionLayer.setup_caches``) and grow by a quarter, up to
+``max_seq_len``, only when a row would overflow them.
 """
 
-from typing import Tuple
+import math
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -23,14 +28,16 @@ class SelectiveKVCache(nn.Module):
         batch_size (int): b.
         num_kv_heads (int): number of key/value heads.
         head_dim (int): dimension of each head.
-        max_seq_len (int): capacity per row (entries, which is also the longest layout it can follow).
+        max_seq_len (int): the longest layout the cache can follow, hence the most entries a row can hold.
         embed_dim (int): model width, for the carried previous-token state.
         dtype (torch.dtype): dtype of keys, values and carried state.
+        initial_entries (Optional[int]): entries per row allocated up front (default ``max_seq_len``);
+            the buffers grow on demand up to ``max_seq_len``.
 
-    Buffers:
-        k_cache, v_cache: ``[b, n_kv, max_seq_len + 1, h_d]``; the last entry is a scratch slot that
-            absorbs the writes of padding entries of a ragged selection.
-        entry_slots: ``[b, max_seq_len + 1]`` layout slot of each stored entry.
+    Buffers (``n`` = entries allocated per row, ``allocated_entries``):
+        k_cache, v_cache: ``[b, n_kv, n + 1, h_d]``; the last entry is a scratch slot that absorbs the
+            writes of padding entries of a ragged selection.
+        entry_slots: ``[b, n + 1]`` layout slot of each stored entry.
         fill: ``[b]`` number of stored entries per row.
         seen: ``[]`` number of layout slots consumed so far (tokens seen per row, run or skipped).
         last_input: ``[b, d]`` the previous token's layer input, per row.
@@ -44,15 +51,19 @@ class SelectiveKVCache(nn.Module):
         max_seq_len: int,
         embed_dim: int,
         dtype: torch.dtype,
+        initial_entries: Optional[int] = None,
     ) -> None:
         super().__init__()
+        initial_entries = max_seq_len if initial_entries is None else initial_entries
+        if not 0 < initial_entries <= max_seq_len:
+            raise ValueError(f"initial_entries must be in [1, max_seq_len={max_seq_len}], got {initial_entries}")
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
-        shape = (batch_size, num_kv_heads, max_seq_len + 1, head_dim)
+        shape = (batch_size, num_kv_heads, initial_entries + 1, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer(
-            "entry_slots", torch.zeros(batch_size, max_seq_len + 1, dtype=torch.long), persistent=False
+            "entry_slots", torch.zeros(batch_size, initial_entries + 1, dtype=torch.long), persistent=False
         )
         self.register_buffer("fill", torch.zeros(batch_size, dtype=torch.long), persistent=False)
         self.register_buffer("seen", torch.zeros((), dtype=torch.long), persistent=False)
@@ -66,6 +77,36 @@ class SelectiveKVCache(nn.Module):
         self.fill.zero_()
         self.seen.zero_()
         self.last_input.zero_()
+
+    @property
+    def allocated_entries(self) -> int:
+        """Entries per row the buffers can hold now (without the scratch slot)."""
+        return self.k_cache.shape[2] - 1
+
+    def reserve(self, entries: int) -> None:
+        """Make room for at least ``entries`` per row, keeping what is stored.
+
+        Grows to max(entries, 1.25 × the current allocation), capped at ``max_seq_len``: a student that
+        runs a little more than its capacity overshoots by at most a quarter, and a long generation
+        still reallocates only O(log) times.
+        """
+        if entries > self.max_seq_len:
+            raise RuntimeError(
+                f"SelectiveKVCache overflow: a row would hold {entries} entries, more than "
+                f"max_seq_len={self.max_seq_len}"
+            )
+        current = self.allocated_entries
+        if entries <= current:
+            return
+        new = min(self.max_seq_len, max(entries, current + math.ceil(current / 4)))
+        for name, entry_dim in (("k_cache", 2), ("v_cache", 2), ("entry_slots", 1)):
+            old = getattr(self, name)
+            shape = list(old.shape)
+            shape[entry_dim] = new + 1
+            grown = old.new_zeros(shape)
+            # Stored entries only: the old scratch slot (last index) holds padding writes by design.
+            grown.narrow(entry_dim, 0, current).copy_(old.narrow(entry_dim, 0, current))
+            setattr(self, name, grown)
 
     @property
     def size(self) -> int:
@@ -90,12 +131,9 @@ class SelectiveKVCache(nn.Module):
             valid (torch.Tensor): ``[r, k]`` bool; False entries are padding and are not stored.
         """
         counts = valid.sum(dim=-1)
-        if bool((self.fill[rows] + counts > self.max_seq_len).any()):
-            raise RuntimeError(
-                f"SelectiveKVCache overflow: a row would hold more than max_seq_len={self.max_seq_len} entries"
-            )
+        self.reserve(int((self.fill[rows] + counts).max()))
         offsets = self.fill[rows, None] + torch.cumsum(valid.long(), dim=-1) - 1
-        write_at = torch.where(valid, offsets, torch.full_like(offsets, self.max_seq_len))
+        write_at = torch.where(valid, offsets, torch.full_like(offsets, self.allocated_entries))
         row_index = rows[:, None].expand_as(write_at)
         # [r, k, n_kv, h_d] views so advanced indexing on (row, entry) writes whole heads at once.
         self.k_cache.permute(0, 2, 1, 3)[row_index, write_at] = k.permute(0, 2, 1, 3).to(self.k_cache.dtype)
