@@ -1,6 +1,6 @@
 """Routed vs dense benchmarks: one entry point for every measurement of issue #4.
 
-    python -m benchmarks.run                      # full suite, Qwen2.5-0.5B shape, 2 threads
+    python -m benchmarks.run                      # full suite, Qwen2.5-0.5B shape, 1 thread
     python -m benchmarks.run --quick              # shorter suite (fewer shapes and repetitions)
     python -m benchmarks.run flops decode         # only some sections
     python -m benchmarks.run --size tiny --quick  # smoke run on the tiny shape (seconds)
@@ -75,7 +75,7 @@ PLANS = {
         flops_seq=512, flops_gammas=(0.25, 0.5, 0.75),
         prefill=[(1, 512), (1, 1024), (4, 512), (4, 1024)], prefill_rounds={1: 5, 4: 2},
         prefill_threshold=[(4, 512)],
-        train=(1, 256), train_rounds=4, train_warmup=3,
+        train=(1, 512), train_rounds=4, train_warmup=3,
         decode_ctx=(1024, 2048), decode_batch=(1, 8), decode_steps=8, decode_warmup=2, calib_seq=256,
         overhead_seq=1024, overhead_rounds=5, overhead_ragged_batch=4,
         naive_seq=1024, naive_model=(1, 512), naive_rounds=3,
