@@ -75,18 +75,18 @@ PLANS = {
         flops_seq=512, flops_gammas=(0.25, 0.5, 0.75),
         prefill=[(1, 512), (1, 1024), (4, 512), (4, 1024)], prefill_rounds={1: 5, 4: 2},
         prefill_threshold=[(4, 512)],
-        train=(1, 512), train_rounds=4, train_warmup=3,
+        train=[(1, 512), (1, 1024)], train_rounds=7, train_warmup=3, train_breakdown_rounds=5,
         decode_ctx=(1024, 2048), decode_batch=(1, 8), decode_steps=8, decode_warmup=2, calib_seq=256,
         overhead_seq=1024, overhead_rounds=5, overhead_ragged_batch=4,
         naive_seq=1024, naive_model=(1, 512), naive_rounds=3,
         quick=dict(flops_gammas=(0.5,), prefill=[(1, 512), (4, 512)], prefill_rounds={1: 3, 4: 1}, prefill_threshold=[],
-                   train=(1, 128), train_rounds=3, decode_ctx=(1024,), decode_steps=6, overhead_rounds=3,
+                   train=[(1, 128)], train_rounds=3, train_breakdown_rounds=2, decode_ctx=(1024,), decode_steps=6, overhead_rounds=3,
                    naive_model=None, naive_rounds=2),
     ),
     "tiny": dict(
         flops_seq=64, flops_gammas=(0.25, 0.5, 0.75),
         prefill=[(1, 64), (2, 64)], prefill_rounds={1: 1, 2: 1}, prefill_threshold=[(2, 64)],
-        train=(2, 32), train_rounds=1, train_warmup=1,
+        train=[(2, 32)], train_rounds=1, train_warmup=1, train_breakdown_rounds=1,
         decode_ctx=(48,), decode_batch=(1, 4), decode_steps=3, decode_warmup=1, calib_seq=64,
         overhead_seq=64, overhead_rounds=1, overhead_ragged_batch=3,
         naive_seq=64, naive_model=(1, 32), naive_rounds=1,
@@ -179,7 +179,7 @@ def section_flops(size: str, plan: Dict, dense) -> Dict:
             ))
             log(f"flops {variant} γ={gamma}: measured {ratio:.4f} closed {closed_ratio:.4f} (ideal {ideal:.4f})")
     # Training forward + backward FLOPs at the training shape (deterministic, counted once per variant).
-    b, Tt = plan["train"]
+    b, Tt = plan["train"][0]
     train_rows = []
     train_tokens = torch.randint(0, shape.vocab_size, (b, Tt))
     dense_train = None
@@ -297,9 +297,84 @@ def read_optimizer_config() -> Dict:
     return opt
 
 
+def _aux_weighted(routing: RoutingContext, weights=(0.05, 0.01, 0.0)) -> torch.Tensor:
+    aux = auxiliary_losses(routing)
+    return weights[0] * aux["pred"] + weights[1] * aux["causal"] + weights[2] * aux["g_reg"]
+
+
+def train_breakdown(models: Dict, tokens: torch.Tensor, loss_fn, phases: Dict, rounds: int) -> Dict:
+    """Where a training step's time goes: its parts timed alone (forward + backward each), interleaved.
+
+    Routing is every other layer, so the decoder is ``L/2`` identical pairs (layer r − 1, routed layer r);
+    one pair per model is timed on the inputs that pair sees in the dense model. The LM head is the final
+    norm, the tied projection and the loss; the loss alone (log-softmax over the vocabulary, no matmul
+    FLOPs) is timed on the head's logits. Embedding is the lookup and its ``[V, d]`` gradient. The
+    optimizer is the step's own median. ``rest`` is the measured dense step minus the parts. The ratio
+    predicted from the parts (same head, embedding, optimizer and rest for every model) shows how much of
+    the measured ratio the unskipped parts explain.
+    """
+    dense = models["dense"]
+    routed_idx = routed_layers(models["mod"])[0].layer_idx
+    pairs = len(dense.layers) // 2
+    if any(len(routed_layers(models[v])) != pairs for v in ("mod", "stt")):
+        raise RuntimeError("the breakdown assumes every other layer routed")
+    captured = {}
+
+    def capture(key):
+        def hook(module, args, kwargs):
+            captured[key] = args[0] if args else kwargs["x"]
+        return hook
+
+    hooks = [dense.layers[routed_idx - 1].register_forward_pre_hook(capture("pair_in"), with_kwargs=True),
+             dense.norm.register_forward_pre_hook(capture("head_in"), with_kwargs=True)]
+    with torch.no_grad():
+        dense(tokens)
+    for h in hooks:
+        h.remove()
+    pair_in = captured["pair_in"].detach().clone().requires_grad_()
+    head_in = captured["head_in"].detach().clone().requires_grad_()
+    labels = torch.hstack((tokens[..., 1:], torch.full((tokens.shape[0], 1), loss_fn.ignore_index)))
+
+    def pair(name):
+        layers = models[name].layers
+        routing = RoutingContext(mode="teacher", beta_ce=1.0, beta_cu=1.0)
+        out = layers[routed_idx](layers[routed_idx - 1](pair_in, routing=routing), routing=routing) \
+            if name != "dense" else layers[routed_idx](layers[routed_idx - 1](pair_in))
+        loss = out.sum() + (_aux_weighted(routing) if name != "dense" else 0.0)
+        loss.backward()
+
+    def head():
+        loss_fn(dense.chunked_output(dense.norm(head_in)), labels).backward()
+
+    with torch.no_grad():
+        logits = [c.detach() for c in dense.chunked_output(dense.norm(head_in))]
+
+    def loss_only():
+        loss_fn([c.requires_grad_() for c in (x.detach() for x in logits)], labels).backward()
+
+    def embedding():
+        dense.tok_embeddings(tokens).sum().backward()
+
+    fns = {f"pair_{name}": (lambda n=name: pair(n)) for name in models}
+    fns.update(head=head, loss=loss_only, embedding=embedding)
+    times = interleaved(fns, rounds=rounds, warmup=1)
+    for m in models.values():
+        m.zero_grad(set_to_none=True)
+    med = {k: median(v) for k, v in times.items()}
+    parts = dict(pairs=pairs * med["pair_dense"], lm_head_matmuls=med["head"] - med["loss"], loss=med["loss"],
+                 embedding=med["embedding"], optimizer=phases["dense"]["opt"])
+    parts["rest"] = phases["dense"]["step"] - sum(parts.values())
+    fixed = sum(v for k, v in parts.items() if k != "pairs")
+    predicted = {v: (pairs * med[f"pair_{v}"] + fixed) / phases["dense"]["step"] for v in models if v != "dense"}
+    return dict(routed_layer=routed_idx, pairs=pairs, part_s=parts, pair_s={v: med[f"pair_{v}"] for v in models},
+                pair_ratio={v: median(a / b for a, b in zip(times[f"pair_{v}"], times["pair_dense"])) for v in models if v != "dense"},
+                predicted_step_ratio=predicted, dense_step_s=phases["dense"]["step"])
+
+
 def section_train(size: str, plan: Dict, dense, profile: bool) -> Dict:
+    """Training steps at each ``plan["train"]`` shape (b, T): one model per variant, sharing the backbone and
+    one optimizer, timed in interleaved rounds after warm-up steps."""
     shape = cf.model_shape(size)
-    b, T = plan["train"]
     models, rshapes = {"dense": dense}, {"dense": cf.RoutingShape.dense()}
     for variant in ("mod", "sdt", "stt"):
         routing = routing_for(variant, capacity=GAMMA)  # teacher top-k at γ (training)
@@ -314,47 +389,54 @@ def section_train(size: str, plan: Dict, dense, profile: bool) -> Dict:
             params[id(p)] = p  # backbone parameters are shared objects: one optimizer state serves all
     opt_cfg = read_optimizer_config()
     optimizer = torch.optim.AdamW(list(params.values()), lr=1e-6, **opt_cfg)
-    tokens = torch.randint(0, shape.vocab_size, (b, T))
-    phases: Dict[str, List[Dict[str, float]]] = {name: [] for name in models}
+    rows, dense_phases, breakdowns, profiles = [], {}, {}, {}
+    for b, T in plan["train"]:
+        tokens = torch.randint(0, shape.vocab_size, (b, T))
+        phases: Dict[str, List[Dict[str, float]]] = {name: [] for name in models}
 
-    def step(name):
-        t0 = time.perf_counter()
-        loss = train_loss(models[name], name, tokens, loss_fn)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        phases[name].append(dict(fwd=t1 - t0, bwd=t2 - t1, opt=t3 - t2, step=t3 - t0))
+        def step(name):
+            t0 = time.perf_counter()
+            loss = train_loss(models[name], name, tokens, loss_fn)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+            phases[name].append(dict(fwd=t1 - t0, bwd=t2 - t1, opt=t3 - t2, step=t3 - t0))
 
-    # Warm-up steps: lazy optimizer state, and the heap growing to the step's peak (see MALLOC_REUSE).
-    warmup = plan["train_warmup"]
-    interleaved({name: (lambda n=name: step(n)) for name in models}, rounds=plan["train_rounds"], warmup=warmup)
-    for name in models:
-        phases[name] = phases[name][warmup:]
-    med = {name: {k: median(p[k] for p in phases[name]) for k in ("fwd", "bwd", "opt", "step")} for name in models}
-    rows = []
-    for variant in ("mod", "sdt", "stt"):
-        closed = cf.flop_ratio(shape, rshapes[variant], T, training=True)
-        ratio = median(r["step"] / d["step"] for r, d in zip(phases[variant], phases["dense"]))
-        fb = median((r["fwd"] + r["bwd"]) / (d["fwd"] + d["bwd"]) for r, d in zip(phases[variant], phases["dense"]))
-        d_fb = med["dense"]["fwd"] + med["dense"]["bwd"]
-        expected_step = (closed * d_fb + med["dense"]["opt"]) / med["dense"]["step"]
-        rows.append(dict(variant=variant, batch=b, seq_len=T, ratio=ratio, ratio_fwd_bwd=fb, closed=closed,
-                         expected_step_with_fixed_optimizer=expected_step, bar=BAR_TIME * closed,
-                         passed=ratio <= BAR_TIME * closed, passed_fwd_bwd=fb <= BAR_TIME * closed,
-                         bar_applies=variant in ("mod", "sdt"), phases=med[variant], dense_phases=med["dense"]))
-        log(f"train {variant}: step {ratio:.3f} fwd+bwd {fb:.3f} closed {closed:.3f}")
-    profiles = {}
-    if profile:
-        for name in ("dense", "mod"):
-            profiles[name] = profile_summary(lambda n=name: step(n), shape.vocab_size)
+        # Warm-up steps: lazy optimizer state, and the heap growing to the step's peak (see MALLOC_REUSE).
+        warmup = plan["train_warmup"]
+        interleaved({name: (lambda n=name: step(n)) for name in models}, rounds=plan["train_rounds"], warmup=warmup)
+        for name in models:
+            phases[name] = phases[name][warmup:]
+        med = {name: {k: median(p[k] for p in phases[name]) for k in ("fwd", "bwd", "opt", "step")} for name in models}
+        dense_phases[f"{b}x{T}"] = med["dense"]
+        breakdowns[f"{b}x{T}"] = train_breakdown(models, tokens, loss_fn, med, rounds=plan["train_breakdown_rounds"])
+        log(f"train b={b} T={T} breakdown: " + ", ".join(f"{k} {v:.2f} s" for k, v in breakdowns[f"{b}x{T}"]["part_s"].items()))
+        for variant in ("mod", "sdt", "stt"):
+            closed = cf.flop_ratio(shape, rshapes[variant], T, training=True)
+            round_ratios = [r["step"] / d["step"] for r, d in zip(phases[variant], phases["dense"])]
+            ratio = median(round_ratios)
+            fb = median((r["fwd"] + r["bwd"]) / (d["fwd"] + d["bwd"]) for r, d in zip(phases[variant], phases["dense"]))
+            d_fb = med["dense"]["fwd"] + med["dense"]["bwd"]
+            expected_step = (closed * d_fb + med["dense"]["opt"]) / med["dense"]["step"]
+            rows.append(dict(variant=variant, batch=b, seq_len=T, ratio=ratio, ratio_fwd_bwd=fb, closed=closed,
+                             expected_step_with_fixed_optimizer=expected_step, bar=BAR_TIME * closed,
+                             passed=ratio <= BAR_TIME * closed, passed_fwd_bwd=fb <= BAR_TIME * closed,
+                             bar_applies=variant in ("mod", "sdt"), phases=med[variant], dense_phases=med["dense"],
+                             round_ratios=round_ratios, round_steps=[p["step"] for p in phases[variant]],
+                             dense_round_steps=[p["step"] for p in phases["dense"]]))
+            log(f"train b={b} T={T} {variant}: step {ratio:.3f} fwd+bwd {fb:.3f} closed {closed:.3f} "
+                f"(rounds {', '.join(f'{x:.3f}' for x in round_ratios)})")
+        if profile and not profiles:
+            for name in ("dense", "mod"):
+                profiles[name] = profile_summary(lambda n=name: step(n), shape.vocab_size)
     for m in models.values():
         m.set_num_output_chunks(1)
         m.eval()
     del optimizer
-    return dict(rows=rows, dense_phases=med["dense"], profiles=profiles)
+    return dict(rows=rows, dense_phases=dense_phases, breakdowns=breakdowns, profiles=profiles)
 
 
 # ---- 4. decode + 5. KV cache -----------------------------------------------------------------------------
@@ -680,16 +762,19 @@ def render_markdown(results: Dict) -> str:
         out += [""] + _render_profiles(r.get("profiles"), f"prefill b, T = {r['profile_config']}")
     if "train" in results:
         r = results["train"]
-        d = r["dense_phases"]
-        out += ["### 3. Training step (teacher mode, fwd + bwd + AdamW, γ = 0.5)", "",
-                f"Dense step {d['step']:.2f} s = fwd {d['fwd']:.2f} + bwd {d['bwd']:.2f} + optimizer {d['opt']:.2f}.", "",
+        out += ["### 3. Training step (teacher mode, fwd + bwd + AdamW, γ = 0.5)", ""]
+        for bt, d in r["dense_phases"].items():
+            out.append(f"Dense step at b × T = {bt}: {d['step']:.2f} s = fwd {d['fwd']:.2f} + bwd {d['bwd']:.2f} + "
+                       f"optimizer {d['opt']:.2f}.")
+        out += ["",
                 "| variant | b | T | step ratio | fwd+bwd ratio | training FLOP ratio (closed) | bar ≤ 1.05× | step (fwd+bwd) result | step if optimizer fixed, fwd+bwd ideal |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for row in r["rows"]:
             res = f"{_pf(row['passed'])} ({_pf(row['passed_fwd_bwd'])})" if row["bar_applies"] else f"reported ({'within' if row['passed'] else 'above'} 1.05×)"
             out.append(f"| {row['variant']} | {row['batch']} | {row['seq_len']} | {row['ratio']:.3f} | {row['ratio_fwd_bwd']:.3f} | "
                        f"{row['closed']:.3f} | {row['bar']:.3f} | {res} | {row['expected_step_with_fixed_optimizer']:.3f} |")
-        out += [""] + _render_profiles(r.get("profiles"), "one training step")
+        out += [""] + _render_breakdowns(r.get("breakdowns", {}))
+        out += _render_profiles(r.get("profiles"), "one training step")
     if "decode" in results:
         r = results["decode"]
         out += [f"### 4. Decode per token (selective KV cache, threshold student calibrated to ≈ 50 %, median of {r['steps']} steps)", "",
@@ -771,6 +856,29 @@ def render_summary(results: Dict) -> List[str]:
                        f"naive {row['naive_vs_dense']:.3f}× dense, ours {row['routed_vs_dense']:.3f}× | – | – | ours {row['naive_vs_routed']:.2f}× faster |")
     out.append("| 8 | GPU | – | pending: no GPU lent to this task | – | – | – |")
     return out + [""]
+
+
+_PART_LABELS = dict(pairs="decoder layers (pairs × one pair)", lm_head_matmuls="LM head matmuls (norm, tied projection)",
+                    loss="loss: log-softmax over V (no matmul FLOPs)", embedding="embedding lookup + [V, d] gradient",
+                    optimizer="optimizer (fused AdamW, all parameters)", rest="rest (step − parts)")
+
+
+def _render_breakdowns(breakdowns: Dict) -> List[str]:
+    """Per training shape: the dense step's parts (each timed alone) and the ratio they predict."""
+    out = []
+    for bt, bd in breakdowns.items():
+        variants = list(bd["predicted_step_ratio"])
+        out += [f"Where the time goes, b × T = {bt} (parts timed alone, fwd + bwd, median of interleaved rounds; "
+                f"one pair = layers {bd['routed_layer'] - 1}–{bd['routed_layer']}, × {bd['pairs']} pairs):", "",
+                "| part | dense s | share of dense step | " + " | ".join(f"{v} s" for v in variants) + " |",
+                "|---|---|---|" + "---|" * len(variants)]
+        for part, sec in bd["part_s"].items():
+            routed = [f"{bd['pairs'] * bd['pair_s'][v]:.2f}" if part == "pairs" else "same" for v in variants]
+            out.append(f"| {_PART_LABELS[part]} | {sec:.2f} | {100 * sec / bd['dense_step_s']:.1f} % | " + " | ".join(routed) + " |")
+        out.append("| one pair routed/dense | | | " + " | ".join(f"{bd['pair_ratio'][v]:.3f}" for v in variants) + " |")
+        out.append("| step ratio predicted by the parts | | | " + " | ".join(f"{bd['predicted_step_ratio'][v]:.3f}" for v in variants) + " |")
+        out.append("")
+    return out
 
 
 def _render_profiles(profiles, what: str) -> List[str]:

@@ -6,6 +6,7 @@ paths, never asserted.
 """
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -132,8 +133,8 @@ def test_suite_runs_on_tiny_shape(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "set_threads", lambda n: None)
     torch.manual_seed(0)
     # FLOPs are covered above; this exercises the timing sections' code paths (decode with the selective
-    # cache at batch 1 and 4, KV accounting, overhead components, naive alternative).
-    results = bench.main(["decode", "overhead", "naive", "--size", "tiny", "--no-profile", "--out", str(tmp_path),
+    # cache at batch 1 and 4, KV accounting, overhead components, naive alternative, training steps).
+    results = bench.main(["train", "decode", "overhead", "naive", "--size", "tiny", "--no-profile", "--out", str(tmp_path),
                           "--threads", str(threads)])
     assert torch.get_num_threads() == threads
     assert (tmp_path / "results.md").read_text().startswith("Shape `tiny`")
@@ -143,3 +144,18 @@ def test_suite_runs_on_tiny_shape(tmp_path, monkeypatch):
         assert row["per_layer_entries_equal_executed"]
         assert row["occupied_ratio"] == pytest.approx(row["closed"])
     assert {r["batch"] for r in results["decode"]["rows"]} == {1, 4}
+    plan = bench.plan_for("tiny", quick=False)
+    train_rows = results["train"]["rows"]
+    assert [(r["batch"], r["seq_len"], r["variant"]) for r in train_rows] == [
+        (b, t, v) for b, t in plan["train"] for v in ("mod", "sdt", "stt")]
+    for row in train_rows:  # every ratio is paired with a dense step of the same round
+        assert len(row["round_ratios"]) == len(row["dense_round_steps"]) == plan["train_rounds"]
+        assert row["ratio"] == pytest.approx(statistics.median(row["round_ratios"]))
+    for bt, breakdown in results["train"]["breakdowns"].items():  # parts add up to the dense step
+        parts = breakdown["part_s"]
+        assert sum(parts.values()) == pytest.approx(breakdown["dense_step_s"])
+        fixed = sum(parts.values()) - parts["pairs"]
+        for variant, predicted in breakdown["predicted_step_ratio"].items():
+            routed = breakdown["pairs"] * breakdown["pair_s"][variant] + fixed
+            assert predicted == pytest.approx(routed / breakdown["dense_step_s"])
+    assert set(results["train"]["breakdowns"]) == {f"{b}x{t}" for b, t in plan["train"]}

@@ -40,6 +40,35 @@ def test_dense_variant_is_torchtune_qwen2(tokens):
     torch.testing.assert_close(model(tokens), reference(tokens), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("seq_len", [24, 22])  # a multiple of the chunk count, and not (uneven chunks)
+def test_chunked_output_matches_torchtune_values_and_gradients(seq_len):
+    """Our one-projection chunked head gives torchtune's chunks, loss and gradients (training path)."""
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    tokens = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(3))
+    labels = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(4))
+    model = build_tiny("dense").train()
+    reference = torchtune_dense_reference(model).train()
+    loss_fn = CEWithChunkedOutputLoss(num_output_chunks=8)
+    results = []
+    for m in (model, reference):
+        m.set_num_output_chunks(loss_fn.num_output_chunks)
+        chunks = m(tokens)
+        loss = loss_fn(chunks, labels)
+        loss.backward()
+        results.append((chunks, loss, {n: p.grad for n, p in m.named_parameters()}))
+    (ours, our_loss, our_grads), (theirs, their_loss, their_grads) = results
+    assert [c.shape for c in ours] == [c.shape for c in theirs]
+    if seq_len % loss_fn.num_output_chunks == 0:
+        assert all(c.is_contiguous() for c in ours)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(our_loss, their_loss, rtol=1e-5, atol=1e-5)
+    assert set(our_grads) == set(their_grads)
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad, their_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("variant", ROUTED_VARIANTS)
 def test_all_selected_student_matches_dense(variant, tokens):
     model = build_tiny(variant, student_threshold=0.0)
