@@ -730,7 +730,9 @@ def render_markdown(results: Dict) -> str:
     for name in SECTIONS:
         if name in results:
             r = results[name]
-            out.append(f"- {name}: `{r['command']}` ({r['elapsed_s']:.0f} s, load average at end {r['loadavg_end'][0]:.1f})")
+            denormals = "subnormals flushed to zero" if r.get("flush_denormal") else "subnormals kept"
+            out.append(f"- {name}: `{r['command']}` ({r['elapsed_s']:.0f} s, load average at end {r['loadavg_end'][0]:.1f}, "
+                       f"{denormals})")
     out += ["", "### Summary of the bars", ""] + render_summary(results)
     if "flops" in results:
         r = results["flops"]
@@ -902,6 +904,10 @@ def main(argv=None) -> Dict:
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (default 1: on the shared 2-core box a second OpenMP thread stalls on "
                              "every parallel region whenever another process holds a core; see README)")
+    parser.add_argument("--keep-denormals", action="store_true",
+                        help="compute with subnormal floats (default: flush them to zero, see README: with random weights "
+                             "the softmax over 151,936 classes makes subnormal probabilities and gradients, which the CPU "
+                             "processes up to 3× slower, by an amount that depends on each model's logits)")
     parser.add_argument("--no-profile", action="store_true", help="skip torch.profiler summaries")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fresh", action="store_true", help="discard earlier results in --out instead of merging")
@@ -913,6 +919,16 @@ def main(argv=None) -> Dict:
         parser.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)} or all")
     sections = [s for s in SECTIONS if not args.sections or "all" in args.sections or s in args.sections]
     set_threads(args.threads)
+    flush_denormal = not args.keep_denormals and torch.set_flush_denormal(True)
+    try:
+        return _run(args, argv, sections, flush_denormal)
+    finally:
+        if flush_denormal:
+            torch.set_flush_denormal(False)  # the process default; main() may run inside a test session
+
+
+def _run(args, argv, sections: List[str], flush_denormal: bool) -> Dict:
+    """The sections of one invocation of :func:`main`, under its thread and floating-point settings."""
     torch.manual_seed(args.seed)
     plan = plan_for(args.size, args.quick)
     command = ("python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
@@ -948,6 +964,7 @@ def main(argv=None) -> Dict:
         results[section] = runners[section]()
         results[section]["elapsed_s"] = time.perf_counter() - t0
         results[section]["command"] = command
+        results[section]["flush_denormal"] = flush_denormal
         results[section]["loadavg_end"] = os.getloadavg()
         log(f"{section} done in {results[section]['elapsed_s']:.0f}s")
         run["loadavg_end"] = os.getloadavg()
