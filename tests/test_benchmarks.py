@@ -163,3 +163,17 @@ def test_suite_runs_on_tiny_shape(tmp_path, monkeypatch):
             routed = breakdown["pairs"] * breakdown["pair_s"][variant] + fixed
             assert predicted == pytest.approx(routed / breakdown["dense_step_s"])
     assert set(results["train"]["breakdowns"]) == {f"{b}x{t}" for b, t in plan["train"]}
+
+
+def test_layer_timing_stamps_every_layer_inside_training_steps():
+    from benchmarks import layer_timing
+
+    result = layer_timing.main(["--size", "tiny", "--variants", "mod", "stt", "--seq-len", "32", "--steps", "1",
+                                "--warmup", "1"])
+    assert set(result) == {"dense", "mod", "stt"}
+    for name, r in result.items():
+        # Every layer's forward and backward was stamped (a missing hook raises), and the parts lie inside the step.
+        assert len(r["fwd_layers"]) == len(r["bwd_layers"]) == 4
+        assert all(t > 0 for t in r["fwd_layers"] + r["bwd_layers"])
+        assert sum(r["fwd_layers"]) + sum(r["bwd_layers"]) + r["opt"] < r["step"]
+    assert (torch.tensor([1e-40]) * torch.tensor([1.0])).item() > 0  # flush-to-zero restored
