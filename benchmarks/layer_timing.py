@@ -26,11 +26,10 @@ if __name__ == "__main__":
         os.execv(sys.executable, [sys.executable, "-m", "benchmarks.layer_timing", *sys.argv[1:]])
 
 import torch
-from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from benchmarks import closed_form as cf
 from benchmarks.common import build_dense, build_like, median, routing_for
-from benchmarks.run import GAMMA, read_optimizer_config, train_loss
+from benchmarks.run import GAMMA, prepare_training, timed_train_step
 
 
 class LayerClock:
@@ -74,34 +73,20 @@ def measure(size: str, variants: List[str], batch: int, seq_len: int, steps: int
     models = {"dense": dense}
     for variant in variants:
         models[variant] = build_like(dense, variant, size, **routing_for(variant, capacity=GAMMA))
-    loss_fn = CEWithChunkedOutputLoss()
-    params = {}
-    for m in models.values():
-        m.set_num_output_chunks(loss_fn.num_output_chunks)
-        m.train()
-        for p in m.parameters():
-            params[id(p)] = p
-    optimizer = torch.optim.AdamW(list(params.values()), lr=1e-6, **read_optimizer_config())
+    loss_fn, optimizer = prepare_training(models)
     clocks = {name: LayerClock(m) for name, m in models.items()}
     tokens = torch.randint(0, cf.model_shape(size).vocab_size, (batch, seq_len))
     records: Dict[str, List[Dict]] = {name: [] for name in models}
     for step in range(warmup + steps):
         for name, model in models.items():  # interleaved, as run.section_train
-            t0 = time.perf_counter()
-            loss = train_loss(model, name, tokens, loss_fn)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            t3 = time.perf_counter()
+            phases = timed_train_step(model, name, tokens, loss_fn, optimizer)
             if step < warmup:
                 continue
             layers = clocks[name].layer_seconds(len(model.layers))
             records[name].append(dict(
                 fwd_layers=layers["fwd"], bwd_layers=layers["bwd"],
-                fwd_outside=(t1 - t0) - sum(layers["fwd"]), bwd_outside=(t2 - t1) - sum(layers["bwd"]),
-                opt=t3 - t2, step=t3 - t0))
+                fwd_outside=phases["fwd"] - sum(layers["fwd"]), bwd_outside=phases["bwd"] - sum(layers["bwd"]),
+                opt=phases["opt"], step=phases["step"]))
     result = {}
     for name, recs in records.items():
         num_layers = len(models[name].layers)

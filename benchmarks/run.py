@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 # Process environment, fixed before torch (and glibc's malloc) start:
 # * threads: the box is 2 shared cores (see README);
@@ -297,6 +297,33 @@ def read_optimizer_config() -> Dict:
     return opt
 
 
+def prepare_training(models: Dict) -> Tuple[CEWithChunkedOutputLoss, torch.optim.Optimizer]:
+    """The recipe's chunked loss and the configs' AdamW over every model's parameters, models in train mode.
+
+    Backbone parameters are shared objects (``build_like``), so one optimizer state serves all models."""
+    loss_fn = CEWithChunkedOutputLoss()
+    params = {}
+    for m in models.values():
+        m.set_num_output_chunks(loss_fn.num_output_chunks)
+        m.train()
+        for p in m.parameters():
+            params[id(p)] = p
+    return loss_fn, torch.optim.AdamW(list(params.values()), lr=1e-6, **read_optimizer_config())
+
+
+def timed_train_step(model, variant: str, tokens: torch.Tensor, loss_fn, optimizer) -> Dict[str, float]:
+    """One optimizer step of the recipe's loss; seconds of its forward, backward, optimizer and whole step."""
+    t0 = time.perf_counter()
+    loss = train_loss(model, variant, tokens, loss_fn)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    t3 = time.perf_counter()
+    return dict(fwd=t1 - t0, bwd=t2 - t1, opt=t3 - t2, step=t3 - t0)
+
+
 def _aux_weighted(routing: RoutingContext, weights=(0.05, 0.01, 0.0)) -> torch.Tensor:
     aux = auxiliary_losses(routing)
     return weights[0] * aux["pred"] + weights[1] * aux["causal"] + weights[2] * aux["g_reg"]
@@ -380,30 +407,14 @@ def section_train(size: str, plan: Dict, dense, profile: bool) -> Dict:
         routing = routing_for(variant, capacity=GAMMA)  # teacher top-k at γ (training)
         models[variant] = build_like(dense, variant, size, **routing)
         rshapes[variant] = shapes_for(size, variant, routing)[1]
-    loss_fn = CEWithChunkedOutputLoss()
-    params = {}
-    for m in models.values():
-        m.set_num_output_chunks(loss_fn.num_output_chunks)
-        m.train()
-        for p in m.parameters():
-            params[id(p)] = p  # backbone parameters are shared objects: one optimizer state serves all
-    opt_cfg = read_optimizer_config()
-    optimizer = torch.optim.AdamW(list(params.values()), lr=1e-6, **opt_cfg)
+    loss_fn, optimizer = prepare_training(models)
     rows, dense_phases, breakdowns, profiles = [], {}, {}, {}
     for b, T in plan["train"]:
         tokens = torch.randint(0, shape.vocab_size, (b, T))
         phases: Dict[str, List[Dict[str, float]]] = {name: [] for name in models}
 
         def step(name):
-            t0 = time.perf_counter()
-            loss = train_loss(models[name], name, tokens, loss_fn)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            t3 = time.perf_counter()
-            phases[name].append(dict(fwd=t1 - t0, bwd=t2 - t1, opt=t3 - t2, step=t3 - t0))
+            phases[name].append(timed_train_step(models[name], name, tokens, loss_fn, optimizer))
 
         # Warm-up steps: lazy optimizer state, and the heap growing to the step's peak (see MALLOC_REUSE).
         warmup = plan["train_warmup"]
