@@ -17,10 +17,11 @@ import time
 from typing import Dict, List
 
 if __name__ == "__main__":
-    from benchmarks.run import MALLOC_REUSE  # noqa: E402  (same allocator setting as the suite)
-
+    # Threads first: importing benchmarks.run imports torch, which reads them when it starts.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+    from benchmarks.run import MALLOC_REUSE  # same allocator setting as the suite
+
     if any(os.environ.get(k) != v for k, v in MALLOC_REUSE.items()):
         os.environ.update(MALLOC_REUSE)
         os.execv(sys.executable, [sys.executable, "-m", "benchmarks.layer_timing", *sys.argv[1:]])
@@ -63,7 +64,7 @@ class LayerClock:
         out = {"fwd": [], "bwd": []}
         for i in range(num_layers):
             out["fwd"].append(s[("fwd", i, "end")] - s[("fwd", i, "start")])
-            # Layer 0's input is the embedding output, which requires grad through the embedding weight.
+            # Every layer's input requires grad (layer 0's through the embedding weight), so both stamps exist.
             out["bwd"].append(s[("bwd", i, "end")] - s[("bwd", i, "start")])
         return out
 
