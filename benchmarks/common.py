@@ -5,12 +5,13 @@ builders with the routing hyperparameters of the repo's configs (``configs/{mod,
 and forwards go through ``RoutedTransformerDecoder.forward`` / the routed layers' ``forward`` unchanged.
 """
 
+import contextlib
 import math
 import os
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -196,6 +197,19 @@ def set_threads(n: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(n)
     os.environ["MKL_NUM_THREADS"] = str(n)
     torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def subnormals_flushed(enabled: bool) -> Iterator[bool]:
+    """Flush subnormal floats to zero inside the block when ``enabled`` and the CPU supports it (see README:
+    random-weight softmax gradients); yields whether flushing is on. The process default (off) comes back
+    afterwards, since the benchmarks' entry points also run inside test sessions."""
+    flushed = enabled and torch.set_flush_denormal(True)
+    try:
+        yield flushed
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
 
 
 def timed(fn: Callable[[], object]) -> float:

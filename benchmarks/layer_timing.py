@@ -29,7 +29,7 @@ if __name__ == "__main__":
 import torch
 
 from benchmarks import closed_form as cf
-from benchmarks.common import build_dense, build_like, median, routing_for
+from benchmarks.common import build_dense, build_like, median, routing_for, subnormals_flushed
 from benchmarks.run import GAMMA, prepare_training, timed_train_step
 
 
@@ -128,13 +128,9 @@ def main(argv=None) -> Dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--keep-denormals", action="store_true", help="compute with subnormal floats (see README)")
     args = parser.parse_args(argv)
-    flush = not args.keep_denormals and torch.set_flush_denormal(True)
-    try:
+    with subnormals_flushed(not args.keep_denormals) as flush:
         torch.manual_seed(0)
         result = measure(args.size, args.variants, args.batch, args.seq_len, args.steps, args.warmup)
-    finally:
-        if flush:
-            torch.set_flush_denormal(False)
     print(f"b = {args.batch}, T = {args.seq_len}, {torch.get_num_threads()} thread(s), subnormals "
           f"{'flushed' if flush else 'kept'}; seconds, median of {args.steps} steps")
     print(render(result))

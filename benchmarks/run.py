@@ -55,6 +55,7 @@ from benchmarks.common import (
     routing_for,
     set_threads,
     shapes_for,
+    subnormals_flushed,
     timed,
 )
 from torchtune_dtf.modules import RoutingContext
@@ -930,12 +931,8 @@ def main(argv=None) -> Dict:
         parser.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)} or all")
     sections = [s for s in SECTIONS if not args.sections or "all" in args.sections or s in args.sections]
     set_threads(args.threads)
-    flush_denormal = not args.keep_denormals and torch.set_flush_denormal(True)
-    try:
+    with subnormals_flushed(not args.keep_denormals) as flush_denormal:
         return _run(args, argv, sections, flush_denormal)
-    finally:
-        if flush_denormal:
-            torch.set_flush_denormal(False)  # the process default; main() may run inside a test session
 
 
 def _run(args, argv, sections: List[str], flush_denormal: bool) -> Dict:
