@@ -52,7 +52,8 @@ def routing_for(variant: str, *, capacity: Optional[float] = None, student: Opti
     if capacity is not None:
         routing["capacity"] = capacity
     if student == "topk":
-        routing.update(student_routing_mode="topk", student_threshold=None)
+        # Timing a prefill without a cache: the non-causal whole-sequence top-k is what is measured.
+        routing.update(student_routing_mode="topk", student_threshold=None, allow_noncausal_student_topk=True)
     elif student == "threshold":
         routing["student_routing_mode"] = "threshold"
         if threshold is not None:

@@ -59,7 +59,7 @@ from benchmarks.common import (
     timed,
 )
 from torchtune_dtf.modules import RoutingContext
-from torchtune_dtf.modules.layers import token_positions
+from torchtune_dtf.modules.layers import sequence_starts, token_positions
 from torchtune_dtf.modules.routed_block import _attention_mask
 from torchtune_dtf.modules.selection import gather_tokens, mask_selection, scatter_updates
 from torchtune_dtf.training.routing_losses import auxiliary_losses
@@ -634,15 +634,16 @@ def section_overhead(size: str, plan: Dict, dense) -> Dict:
                 layer = model.layers[1]
                 dense_layer = dense.layers[1]
                 positions = token_positions(None, batch, T, 0, x.device)
-                logits = layer.student_logits(x, positions, None)
-                selection = layer.student_selection(logits, None)
+                starts = sequence_starts(positions, None, 0)
+                logits = layer.student_logits(x, starts, None)
+                selection = layer.student_selection(logits, starts, None)
                 gate = layer.student_gate(x)
                 k = selection.num_selected
                 update = torch.randn(batch, k, shape.embed_dim)
                 query_index = selection.positions
 
                 def router():
-                    layer.student_logits(x, positions, None)
+                    layer.student_logits(x, starts, None)
                     layer.student_gate(x)
 
                 def mask_building():
@@ -654,7 +655,7 @@ def section_overhead(size: str, plan: Dict, dense) -> Dict:
                     "routed_layer": lambda: layer(x),
                     "block_on_k_tokens": lambda: dense_layer(x[:, :k]),
                     "router": router,
-                    "selection": lambda: layer.student_selection(logits, None),
+                    "selection": lambda: layer.student_selection(logits, starts, None),
                     "gather": lambda: (gather_tokens(x, query_index), gather_tokens(positions, query_index)),
                     "scatter+gate": lambda: scatter_updates(
                         x, selection, update if gate is None else update * gather_tokens(gate, query_index)[..., None]),
@@ -683,8 +684,8 @@ def naive_layer_forward(layer, x, *, mask=None, input_pos=None, routing=None, **
     """The naive alternative: same student decision and gate, but the block runs densely on every token and
     the update is masked afterwards (skipped tokens still cost full compute and are keys/values)."""
     batch, seq_len, _ = x.shape
-    positions = token_positions(input_pos, batch, seq_len, 0, x.device)
-    selection = layer.student_selection(layer.student_logits(x, positions, None), None)
+    starts = sequence_starts(token_positions(input_pos, batch, seq_len, 0, x.device), mask, 0)
+    selection = layer.student_selection(layer.student_logits(x, starts, None), starts, None, analysis=True)
     gate = layer.student_gate(x)
     update = TransformerSelfAttentionLayer.forward(layer, x, mask=mask, input_pos=input_pos) - x
     if gate is not None:

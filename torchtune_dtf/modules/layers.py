@@ -21,19 +21,20 @@ from torchtune_dtf.modules.predictors import ResidualPredictor
 from torchtune_dtf.modules.routed_block import routed_block_forward
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, previous_token_states
 from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
-from torchtune_dtf.modules.selection import (
-    Selection,
-    batch_topk_rows,
-    mask_selection,
-    topk_selection,
-)
+from torchtune_dtf.modules.selection import Selection, batch_topk_rows, mask_selection, segment_topk_selection
 from torchtune_dtf.modules.selective_kv_cache import SelectiveKVCache
-from torchtune_dtf.modules.surprise import PredictiveRouter, change_surprise, static_surprise
+from torchtune_dtf.modules.surprise import (
+    PredictiveRouter,
+    change_surprise,
+    gate_threshold_score,
+    static_surprise,
+)
 
 # Child-module names that hold routing parameters (everything else is the pretrained backbone).
 ROUTING_MODULE_NAMES = ("mod_router", "causal_router", "transition", "prior_ffn", "predictive_router")
 STUDENT_ROUTING_MODES = ("threshold", "topk")
 TEACHER_SELECTIONS = ("topk", "threshold")
+GATE_MODES = ("scaled", "straight_through")
 
 
 def token_positions(
@@ -48,6 +49,27 @@ def token_positions(
     return input_pos.expand(batch, seq_len)
 
 
+def sequence_starts(positions: torch.Tensor, mask: Optional[torch.Tensor], offset: int) -> torch.Tensor:
+    """``[b, s]`` bool: True where a token begins a sequence and so has no predecessor.
+
+    A token starts a sequence when its position id is 0, or when the attention mask does not let it see
+    the token just before it in the layout: the first token of a packed document (block-causal mask,
+    DESIGN R3), every left pad and the first real token after them (torchtune's generation masks).
+
+    Args:
+        positions (torch.Tensor): ``[b, s]`` position ids.
+        mask (Optional[torch.Tensor]): ``[b, s, L]`` boolean mask over layout slots, or None.
+        offset (int): layout slot of the chunk's first token (tokens already in the cache).
+    """
+    starts = positions == 0
+    if mask is None:
+        return starts
+    seq_len = positions.shape[1]
+    slots = offset + torch.arange(seq_len, device=positions.device)
+    sees_previous = mask[:, torch.arange(seq_len, device=mask.device), (slots - 1).clamp(min=0)]
+    return starts | ~(sees_previous & (slots > 0))
+
+
 def _dense_forward(layer: TransformerSelfAttentionLayer, x, mask, input_pos) -> torch.Tensor:
     return TransformerSelfAttentionLayer.forward(layer, x, mask=mask, input_pos=input_pos)
 
@@ -58,11 +80,21 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
     Args:
         attn, mlp, sa_norm, mlp_norm: the block, exactly as in the dense layer.
         layer_idx (int): index of this layer in the decoder (key of its :class:`LayerRouting`).
-        capacity (float): γ ∈ (0, 1]; teacher top-k keeps floor(γ·s) tokens per row.
+        capacity (float): γ ∈ (0, 1]; top-k keeps ⌊γ·n⌋ tokens of each sequence of n tokens.
         causal_router (CausalRouter): the student.
         student_routing_mode (str): ``"threshold"`` (σ(r̃) > τ, causal; evaluation) or ``"topk"``
-            (per-sequence top-k on prefill, per-step top floor(γ·b) rows when decoding; DESIGN §4).
+            (per-sequence top-k on a cached prefill, per-step top ⌊γ·b⌋ rows when decoding; DESIGN §4).
         student_threshold (Optional[float]): τ for threshold mode.
+        gate (str): how a selected token's update is scaled (DESIGN R2). ``"scaled"``: by the gate in
+            training (g for SDT/STT, σ(r) for MoD, as the papers); at inference SDT/STT apply 1 (g needs the
+            block's own output) and MoD σ(r). ``"straight_through"``: forward value 1 in training and
+            inference, gradient through the gate, so the training forward is what inference computes.
+        always_run_first_token (bool): the first token of every sequence always runs the block (it
+            counts towards the capacity); the usual attention sink otherwise loses to the surprise rule,
+            which disfavours it (no TPN prediction, CU_0 = (1 − m_cu)·D_st < 0).
+        allow_noncausal_student_topk (bool): permit student top-k on a whole sequence without a cache.
+            That selection is not causal (a token's fate depends on later tokens), so by default it is an
+            error; set True only for an explicit analysis, never for evaluation.
     """
 
     def __init__(
@@ -77,15 +109,28 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         causal_router: CausalRouter,
         student_routing_mode: str,
         student_threshold: Optional[float],
+        gate: str,
+        always_run_first_token: bool,
+        allow_noncausal_student_topk: bool,
     ) -> None:
         super().__init__(attn=attn, mlp=mlp, sa_norm=sa_norm, mlp_norm=mlp_norm)
         if student_routing_mode not in STUDENT_ROUTING_MODES:
             raise ValueError(f"Unknown student_routing_mode {student_routing_mode!r}")
+        if gate not in GATE_MODES:
+            raise ValueError(f"Unknown gate {gate!r}; expected one of {GATE_MODES}")
         self.layer_idx = layer_idx
         self.capacity = capacity
         self.causal_router = causal_router
         self.student_routing_mode = student_routing_mode
         self.student_threshold = student_threshold
+        self.gate = gate
+        self.always_run_first_token = always_run_first_token
+        self.allow_noncausal_student_topk = allow_noncausal_student_topk
+        # σ(r̃) > τ compared as r̃ > logit(τ) on fp32 logits: σ rounds to 1.0 (or 0.0) long before r̃ does.
+        self._student_logit_threshold = None
+        if student_routing_mode == "threshold":
+            tau = student_threshold
+            self._student_logit_threshold = -math.inf if tau == 0 else math.log(tau) - math.log1p(-tau)
 
     # -- caches ---------------------------------------------------------------------------------
     def setup_caches(
@@ -115,29 +160,59 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         return int(math.floor(self.capacity * seq_len))
 
     def student_logits(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: Optional[SelectiveKVCache]
+        self, x: torch.Tensor, starts: torch.Tensor, cache: Optional[SelectiveKVCache]
     ) -> torch.Tensor:
-        """Causal router logits ``[b, s]`` from detached inputs (the student never trains the backbone)."""
-        return self.causal_router(x.detach(), positions, None if cache is None else cache.last_input)
+        """Causal router logits ``[b, s]`` (fp32) from detached inputs (the student never trains the backbone)."""
+        return self.causal_router(x.detach(), starts, None if cache is None else cache.last_input)
+
+    def topk_by_sequence(self, scores: torch.Tensor, starts: torch.Tensor) -> Selection:
+        """Per-sequence top-k of ``scores [b, s]``; with ``always_run_first_token`` each sequence's first
+        token is taken first, inside the budget."""
+        if self.always_run_first_token:
+            scores = scores.masked_fill(starts, math.inf)
+        return segment_topk_selection(scores, starts, self.capacity)
+
+    def by_threshold(self, selected: torch.Tensor, starts: torch.Tensor) -> Selection:
+        return mask_selection(selected | starts if self.always_run_first_token else selected)
 
     def student_selection(
-        self, logits: torch.Tensor, cache: Optional[SelectiveKVCache]
+        self,
+        logits: torch.Tensor,
+        starts: torch.Tensor,
+        cache: Optional[SelectiveKVCache],
+        *,
+        analysis: bool = False,
     ) -> Selection:
+        """What the deployed student runs. ``analysis=True`` (teacher–student agreement during training)
+        permits the non-causal whole-sequence top-k that is otherwise refused."""
         if self.student_routing_mode == "threshold":
-            return mask_selection(torch.sigmoid(logits) > self.student_threshold)
+            return self.by_threshold(logits > self._student_logit_threshold, starts)
         if cache is not None and logits.shape[1] == 1:
             return mask_selection(batch_topk_rows(logits[:, 0], self.capacity))
-        return topk_selection(logits, self.num_selected(logits.shape[1]))
+        if cache is None and not (analysis or self.allow_noncausal_student_topk):
+            raise ValueError(
+                f"Routed layer {self.layer_idx}: student_routing_mode='topk' on a whole sequence without a "
+                "KV cache is a per-sequence top-k, which is not causal (whether a token runs depends on later "
+                "tokens), so it cannot score log-likelihoods. Use student_routing_mode='threshold' for "
+                "evaluation, or set allow_noncausal_student_topk: True for an explicit analysis."
+            )
+        return self.topk_by_sequence(logits, starts)
 
     def teacher_route(
-        self, x, *, mask, input_pos, positions, routing: RoutingContext, record: LayerRouting
+        self, x, *, mask, input_pos, positions, starts, routing: RoutingContext, record: LayerRouting
     ) -> Tuple[Selection, Optional[torch.Tensor]]:
         """Variant-specific teacher decision: (selection, gate ``[b, s]``). Fills ``record``."""
         raise NotImplementedError
 
     def student_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """Gate applied at inference; None (= 1) unless the variant's gate is causal."""
+        """Gate applied at inference; None (= 1) unless the variant's gate is causal and scaled."""
         return None
+
+    def training_gate(self, gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The gate the routed pass applies in training, per ``gate`` (see the class docstring)."""
+        if gate is None or self.gate == "scaled":
+            return gate
+        return (gate - gate.detach()) + 1.0  # exactly 1 forward, d/dgate = update
 
     # -- forward --------------------------------------------------------------------------------
     def forward(
@@ -153,7 +228,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         Args:
             x (torch.Tensor): ``[b, s, d]``.
             mask (Optional[torch.Tensor]): torchtune boolean mask ``[b, s, s]`` or, with caches,
-                ``[b, s, max_cache_len]``.
+                ``[b, s, max_cache_len]``; a batch dimension of 1 broadcasts over the rows.
             input_pos (Optional[torch.Tensor]): position ids (see :func:`token_positions`).
             routing (Optional[RoutingContext]): mode, β and the place to record statistics;
                 student mode when None.
@@ -163,24 +238,37 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         """
         routing = routing if routing is not None else RoutingContext(mode="student")
         batch, seq_len, _ = x.shape
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError(
+                    f"Routed layer {self.layer_idx} needs a dense boolean attention mask, got {type(mask).__name__}; "
+                    "for packed data collate with torchtune_dtf.data.padded_collate_packed_dense"
+                )
+            if mask.shape[0] != batch:
+                mask = mask.expand(batch, -1, -1)
         cache = self._active_cache()
         offset = 0 if cache is None else int(cache.seen)
         positions = token_positions(input_pos, batch, seq_len, offset, x.device)
-        logits = self.student_logits(x, positions, cache)
+        starts = sequence_starts(positions, mask, offset)
+        logits = self.student_logits(x, starts, cache)
         record = LayerRouting(student_logits=logits)
 
         if routing.mode == "teacher":
             if cache is not None:
                 raise RuntimeError("Teacher routing is for training; disable or delete the KV caches first")
             selection, gate = self.teacher_route(
-                x, mask=mask, input_pos=input_pos, positions=positions, routing=routing, record=record
+                x, mask=mask, input_pos=input_pos, positions=positions, starts=starts, routing=routing, record=record
             )
             record.teacher_mask = selection.mask
-            record.causal_loss = F.binary_cross_entropy_with_logits(logits.float(), selection.mask.float())
-            with torch.no_grad():  # what the student would have run, for agreement metrics
-                record.student_mask = self.student_selection(logits, None).mask
+            record.causal_loss = F.binary_cross_entropy_with_logits(logits, selection.mask.float())
+            with torch.no_grad():  # what the student runs, for agreement metrics and scheduled sampling
+                student = self.student_selection(logits, starts, None, analysis=True)
+            record.student_mask = student.mask
+            if routing.execute == "student":
+                selection = student
+            gate = self.training_gate(gate)
         else:
-            selection = self.student_selection(logits, cache)
+            selection = self.student_selection(logits, starts, cache)
             gate = self.student_gate(x)
 
         out = routed_block_forward(
@@ -212,14 +300,14 @@ class MoDLayer(RoutedSelfAttentionLayer):
         super().__init__(attn, mlp, **kwargs)
         self.mod_router = mod_router
 
-    def teacher_route(self, x, *, mask, input_pos, positions, routing, record):
+    def teacher_route(self, x, *, mask, input_pos, positions, starts, routing, record):
         scores = self.mod_router(x)
         record.router_logits = scores
-        return topk_selection(scores, self.num_selected(x.shape[1])), torch.sigmoid(scores)
+        return self.topk_by_sequence(scores, starts), torch.sigmoid(scores)
 
     def student_gate(self, x):
         # The MoD router is per-token, hence causal: its gate is available at inference too.
-        return torch.sigmoid(self.mod_router(x))
+        return torch.sigmoid(self.mod_router(x)) if self.gate == "scaled" else None
 
 
 class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):
@@ -247,21 +335,24 @@ class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):
         self.predictive_router = predictive_router
         self.teacher_selection = teacher_selection
         self.gate_threshold = gate_threshold
+        self._gate_threshold_score = gate_threshold_score(gate_threshold) if teacher_selection == "threshold" else None
 
-    def residuals(self, x, *, mask, input_pos, positions, routing) -> Tuple[torch.Tensor, torch.Tensor]:
+    def residuals(self, x, *, mask, input_pos, starts, routing) -> Tuple[torch.Tensor, torch.Tensor]:
         """(true residual Δx without gradient, predicted residual Δx̂), each ``[b, s, d]``."""
         raise NotImplementedError
 
-    def teacher_route(self, x, *, mask, input_pos, positions, routing, record):
+    def teacher_route(self, x, *, mask, input_pos, positions, starts, routing, record):
         beta_ce, beta_cu = routing.betas()
-        delta, predicted = self.residuals(x, mask=mask, input_pos=input_pos, positions=positions, routing=routing)
+        delta, predicted = self.residuals(x, mask=mask, input_pos=input_pos, starts=starts, routing=routing)
         d_st = static_surprise(delta)
         d_ch = change_surprise(delta, predicted)
-        surprise = self.predictive_router(d_st, d_ch, beta_ce, beta_cu)
+        surprise = self.predictive_router(d_st, d_ch, beta_ce, beta_cu, starts)
+        # Rank by the non-saturating score, never by g itself (DESIGN R1); g stays the gate.
         if self.teacher_selection == "topk":
-            selection = topk_selection(surprise.g, self.num_selected(x.shape[1]))
+            selection = self.topk_by_sequence(surprise.score, starts)
         else:
-            selection = mask_selection(surprise.g.detach() >= self.gate_threshold)
+            selection = self.by_threshold(surprise.score >= self._gate_threshold_score, starts)
+        record.score = surprise.score
         record.d_st, record.d_ch = d_st, d_ch
         record.ce, record.cu, record.s_ce, record.s_cu, record.g = (
             surprise.ce, surprise.cu, surprise.s_ce, surprise.s_cu, surprise.g,
@@ -290,11 +381,11 @@ class STTLayer(_SurpriseRoutedLayer):
         super().__init__(attn, mlp, **kwargs)
         self.transition = transition
 
-    def residuals(self, x, *, mask, input_pos, positions, routing):
+    def residuals(self, x, *, mask, input_pos, starts, routing):
         with torch.no_grad():
             dense_out = _dense_forward(self, x, mask, input_pos)
             delta = dense_out - x
-        predicted = self.transition(previous_token_states(dense_out, positions))
+        predicted = self.transition(previous_token_states(dense_out, starts))
         return delta, predicted
 
 
@@ -302,7 +393,7 @@ class SDTDynamicLayer(_SurpriseRoutedLayer):
     """SDT Dynamic layer (paper §3.1.2): routes its own block with g computed from the residuals that the
     preceding :class:`SDTDecisionLayer` produced."""
 
-    def residuals(self, x, *, mask, input_pos, positions, routing):
+    def residuals(self, x, *, mask, input_pos, starts, routing):
         if self.layer_idx not in routing.decision_states:
             raise RuntimeError(
                 f"SDT Dynamic layer {self.layer_idx} found no Decision-layer states; layer {self.layer_idx - 1} "

@@ -16,14 +16,14 @@ from torchtune.modules import RMSNorm
 
 
 def previous_token_states(
-    x: torch.Tensor, positions: torch.Tensor, carried: Optional[torch.Tensor] = None
+    x: torch.Tensor, starts: torch.Tensor, carried: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """x_{t−1} for every token, zero where the token starts its sequence.
 
     Args:
         x (torch.Tensor): ``[b, s, d]`` states of the current chunk.
-        positions (torch.Tensor): ``[b, s]`` position ids; a token at position 0 has no predecessor
-            (this also covers left padding, whose first real token has position 0).
+        starts (torch.Tensor): ``[b, s]`` bool, True where a token has no predecessor: position 0, the
+            first token of a packed document, a left pad and the first real token after left padding.
         carried (Optional[torch.Tensor]): ``[b, d]`` state of the token before this chunk (decoding);
             zeros when None.
 
@@ -32,11 +32,14 @@ def previous_token_states(
     """
     first = torch.zeros_like(x[:, :1]) if carried is None else carried[:, None].to(x.dtype)
     previous = torch.cat([first, x[:, :-1]], dim=1)
-    return previous * (positions > 0)[..., None].to(x.dtype)
+    return previous * (~starts)[..., None].to(x.dtype)
 
 
 class MoDRouter(nn.Module):
-    """Linear router r_t = w·x_t. ``[b, s, d]`` → ``[b, s]`` logits."""
+    """Linear router r_t = w·x_t. ``[b, s, d]`` → ``[b, s]`` fp32 logits.
+
+    The product is taken in fp32: bf16 logits keep 8 significant bits, so a top-k over them would be
+    decided by ties (position order) for many tokens (DESIGN R1)."""
 
     def __init__(self, embed_dim: int, init_std: float) -> None:
         super().__init__()
@@ -52,7 +55,7 @@ class MoDRouter(nn.Module):
         nn.init.normal_(self.proj.weight, mean=0.0, std=self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).squeeze(-1)
+        return F.linear(x.float(), self.proj.weight.float()).squeeze(-1)
 
 
 class CausalRouter(nn.Module):
@@ -100,25 +103,25 @@ class CausalRouter(nn.Module):
         return F.linear(x, weight * self.norm.scale.to(weight.dtype)) * inv_rms.to(x.dtype)
 
     def forward(
-        self, x: torch.Tensor, positions: Optional[torch.Tensor] = None, carried: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, starts: Optional[torch.Tensor] = None, carried: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         """
         Args:
             x (torch.Tensor): ``[b, s, d]`` layer inputs x_t^(l−1).
-            positions (Optional[torch.Tensor]): ``[b, s]`` position ids; a token at position 0 has no
-                predecessor (x_0 = 0). Required when ``use_previous_token``.
+            starts (Optional[torch.Tensor]): ``[b, s]`` bool, True where a token has no predecessor
+                (x_{t−1} = 0; see :func:`previous_token_states`). Required when ``use_previous_token``.
             carried (Optional[torch.Tensor]): ``[b, d]`` input of the token just before this chunk
                 (decoding with a cache); None at the start of a sequence.
 
         Returns:
-            torch.Tensor: ``[b, s]`` logits r̃_t.
+            torch.Tensor: ``[b, s]`` fp32 logits r̃_t (the student's threshold and top-k compare these).
         """
         embed_dim = x.shape[-1]
         if not self.use_previous_token:
             hidden = self._normed_projection(x, self.hidden.weight) + self.hidden.bias
-            return self.out(F.silu(hidden)).squeeze(-1)
-        if positions is None:
-            raise ValueError("CausalRouter(use_previous_token=True) needs the position ids of the tokens")
+            return self._logit(hidden)
+        if starts is None:
+            raise ValueError("CausalRouter(use_previous_token=True) needs to know where each sequence starts")
         # hidden([n_t ‖ n_{t−1}]) = W_c·n_t + b + W_p·n_{t−1}. RMSNorm is per token, so every token is
         # projected once through [W_c; W_p] and its W_p part is shifted one token later, instead of
         # normalising and concatenating a shifted [b, s, 2d] copy of the input.
@@ -130,6 +133,10 @@ class CausalRouter(nn.Module):
         else:
             first = self._normed_projection(carried.to(x.dtype), weight[:, embed_dim:])[:, None]
         from_previous = torch.cat([first, to_next[:, :-1]], dim=1)
-        # RMSNorm(0) = 0, so a token at position 0 (sequence start, also after left padding) gets nothing.
-        hidden = current + self.hidden.bias + from_previous * (positions > 0)[..., None].to(current.dtype)
-        return self.out(F.silu(hidden)).squeeze(-1)
+        # RMSNorm(0) = 0, so a token that starts a sequence (document, or after left padding) gets nothing.
+        hidden = current + self.hidden.bias + from_previous * (~starts)[..., None].to(current.dtype)
+        return self._logit(hidden)
+
+    def _logit(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The last projection in fp32, so logits of a bf16 model do not tie in 8 significant bits.
+        return F.linear(F.silu(hidden).float(), self.out.weight.float(), self.out.bias.float()).squeeze(-1)

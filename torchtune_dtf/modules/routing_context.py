@@ -11,6 +11,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 ROUTING_MODES = ("teacher", "student")
+EXECUTE_CHOICES = ("teacher", "student")
 
 
 @dataclass
@@ -23,7 +24,8 @@ class LayerRouting:
         teacher_mask: teacher (non-causal) selection, teacher mode only.
         student_mask: what the student would have selected (teacher mode only, for agreement metrics).
         router_logits: MoD router logits r (MoD only).
-        d_st, d_ch, ce, cu, s_ce, s_cu, g: surprise signals (SDT/STT teacher mode).
+        d_st, d_ch, ce, cu, s_ce, s_cu, g: surprise signals (SDT/STT teacher mode), fp32.
+        score: the non-saturating rank score of g that the teacher selects by (SDT/STT teacher mode).
         o_ce, m_cu: current values of the learnable offsets (scalars).
         pred_loss: predictor (PriorFFN/TPN) MSE against the stop-gradient residual, averaged over tokens.
         causal_loss: BCE of the student logits against the teacher mask, averaged over tokens.
@@ -42,6 +44,7 @@ class LayerRouting:
     s_ce: Optional[torch.Tensor] = None
     s_cu: Optional[torch.Tensor] = None
     g: Optional[torch.Tensor] = None
+    score: Optional[torch.Tensor] = None
     o_ce: Optional[torch.Tensor] = None
     m_cu: Optional[torch.Tensor] = None
     pred_loss: Optional[torch.Tensor] = None
@@ -63,12 +66,16 @@ class RoutingContext:
         beta_cu (Optional[float]): inverse temperature of CU for this step (teacher mode, SDT/STT).
         apply_gate (bool): scale selected tokens' updates by the gate. Turning it off is an analysis
             switch (dense-equivalence checks, ablations), not a training setting.
+        execute (str): teacher mode only: whose mask the routed pass runs. ``"teacher"`` (the papers),
+            or ``"student"``: the causal router's own selection, as inference will run it (scheduled
+            sampling, DESIGN R2); the teacher still decides the targets of the auxiliary losses.
     """
 
     mode: str
     beta_ce: Optional[float] = None
     beta_cu: Optional[float] = None
     apply_gate: bool = True
+    execute: str = "teacher"
     layers: Dict[int, LayerRouting] = field(default_factory=dict)
     # SDT: residuals a Decision layer hands to the Dynamic layer that follows, keyed by the Dynamic
     # layer's index (kept for the whole forward so activation-checkpoint recomputation sees them too).
@@ -77,6 +84,8 @@ class RoutingContext:
     def __post_init__(self) -> None:
         if self.mode not in ROUTING_MODES:
             raise ValueError(f"Unknown routing mode {self.mode!r}; expected one of {ROUTING_MODES}")
+        if self.execute not in EXECUTE_CHOICES:
+            raise ValueError(f"Unknown execute {self.execute!r}; expected one of {EXECUTE_CHOICES}")
 
     def betas(self) -> Tuple[float, float]:
         if self.beta_ce is None or self.beta_cu is None:

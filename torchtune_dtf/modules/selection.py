@@ -1,11 +1,14 @@
 """Choosing which tokens run a routed block, and moving them in and out of the block.
 
 A :class:`Selection` holds, per batch row, the time-ordered positions (sequence indices) of the tokens
-that run the block. Rows may select different numbers of tokens (threshold routing); the index tensor
+that run the block. A row may hold several sequences (packed documents, or left padding, where every pad
+is a sequence of its own): ``starts [b, s]`` marks the first token of each, and per-sequence budgets
+(top-k) count each sequence's own tokens (DESIGN R3, R4). Rows may select different numbers of tokens (threshold routing); the index tensor
 is then padded to the largest count and ``valid`` marks the real entries. Keeping indices sorted in
 time order is what makes the causal mask over the gathered tokens correct (DESIGN §3.7, §7).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,6 +52,57 @@ def topk_selection(scores: torch.Tensor, k: int) -> Selection:
     return Selection(positions=positions, valid=None, mask=mask)
 
 
+def sequence_bounds(starts: torch.Tensor):
+    """For every token, the index of the first token of its sequence and that sequence's length.
+
+    Args:
+        starts (torch.Tensor): ``[b, s]`` bool, True at the first token of each sequence in the row.
+            Position 0 always starts one.
+
+    Returns:
+        Tuple of ``[b, s]`` long tensors: (start index, sequence length).
+    """
+    seq_len = starts.shape[-1]
+    index = torch.arange(seq_len, device=starts.device).expand_as(starts)
+    starts = starts.clone()
+    starts[:, 0] = True
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=-1).values
+    # The next start strictly after each token (seq_len if none), by a reversed running minimum.
+    later_starts = torch.where(starts, index, torch.full_like(index, seq_len))[:, 1:]
+    later_starts = torch.cat([later_starts, torch.full_like(index[:, :1], seq_len)], dim=1)
+    following = torch.flip(torch.cummin(torch.flip(later_starts, [-1]), dim=-1).values, [-1])
+    return first, following - first
+
+
+def segment_topk_selection(scores: torch.Tensor, starts: torch.Tensor, capacity: float) -> Selection:
+    """Top-k within every sequence of every row: a sequence of n tokens runs ⌊γ·n⌋ of them.
+
+    Ties resolve to the earlier token (DESIGN §3.9). With one sequence per row this is
+    :func:`topk_selection` with k = ⌊γ·s⌋.
+
+    Args:
+        scores (torch.Tensor): ``[b, s]``.
+        starts (torch.Tensor): ``[b, s]`` bool, first token of each sequence (see :func:`sequence_bounds`).
+        capacity (float): γ.
+
+    Returns:
+        Selection: rows may differ in count.
+    """
+    seq_len = scores.shape[-1]
+    if not bool(starts[:, 1:].any()):
+        return topk_selection(scores, int(math.floor(capacity * seq_len)))
+    first, length = sequence_bounds(starts)
+    budget = torch.floor(capacity * length.double()).long()
+    # Descending by score (stable: earlier token first among equals), then stably grouped by sequence.
+    # Sequences are contiguous, so a sequence's block in the grouped order begins at its first index.
+    by_score = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices
+    grouped = torch.gather(by_score, 1, torch.sort(torch.gather(first, 1, by_score), dim=-1, stable=True).indices)
+    rank = torch.arange(seq_len, device=scores.device) - torch.gather(first, 1, grouped)
+    chosen = rank < torch.gather(budget, 1, grouped)
+    mask = torch.zeros_like(starts).scatter_(1, grouped, chosen)
+    return mask_selection(mask)
+
+
 def mask_selection(mask: torch.Tensor) -> Selection:
     """Selection from a boolean mask ``[b, s]`` (threshold routing); rows may differ in count."""
     counts = mask.sum(dim=-1)
@@ -63,16 +117,27 @@ def mask_selection(mask: torch.Tensor) -> Selection:
 
 
 def batch_topk_rows(scores: torch.Tensor, capacity: float) -> torch.Tensor:
-    """Per-step budget for decoding (spec §5.1): the top floor(γ·b) rows of the batch run the block.
+    """Per-step budget for decoding (spec §5.1): the top ⌊γ·b⌋ rows of the batch run the block.
 
     Args:
         scores (torch.Tensor): ``[b]`` student logits of the current token of each row.
         capacity (float): γ.
 
     Returns:
-        torch.Tensor: ``[b, 1]`` bool mask. With b = 1 and γ < 1 nothing runs: the budget is a hard one.
+        torch.Tensor: ``[b, 1]`` bool mask.
+
+    Raises:
+        ValueError: when ⌊γ·b⌋ = 0. Such a step would skip the routed layer for every row, silently;
+            every generated token would leave the layer unchanged (DESIGN R4).
     """
-    num_rows = int(capacity * scores.shape[0])
+    num_rows = int(math.floor(capacity * scores.shape[0]))
+    if num_rows == 0:
+        raise ValueError(
+            f"student_routing_mode='topk' decodes the top floor(capacity * batch) = floor({capacity} * "
+            f"{scores.shape[0]}) = 0 rows per step: every generated token would skip this routed layer. "
+            "Use student_routing_mode='threshold' (causal, per token) or decode a batch of at least "
+            f"{math.ceil(1 / capacity)} rows."
+        )
     return topk_selection(scores[None, :], num_rows).mask.view(-1, 1)
 
 

@@ -10,6 +10,17 @@ spec §4.3–4.5):
     S_CE = σ(β_ce · CE),  S_CU = σ(β_cu · CU)
     g    = S_CE + S_CU − S_CE · S_CU         probabilistic OR
 
+Numerics (DESIGN R1). Every quantity here is computed in fp32 whatever the model dtype, and tokens are
+ranked not by g but by a transform of it that does not saturate. At β = 100, σ(β·CE) rounds to 1.0 for
+CE ≳ 0.17 in fp32 (and for far smaller CE in bf16): g == 1.0 for most tokens of a trained layer, and a
+top-k over g would fall back to the tie rule, i.e. position order. The rank score is monotone in g:
+
+    s = −log(1 − g) = softplus(β_ce·CE) + softplus(β_cu·CU)      (exact; linear in CE, CU for large values)
+    score = s                  if s ≥ 1
+            1 + log s          if s < 1   (log s from log-softplus terms, so tiny g do not underflow to 0)
+
+so g ≥ g_th ⟺ score ≥ score(g_th), and only exactly equal scores are left to the tie rule.
+
 o_ce and m_cu are learnable and kept positive as softplus(raw); raw is initialised so that
 softplus(raw) equals the configured init exactly (DESIGN §3.2). β_ce and β_cu are scheduled by the
 trainer and passed in on every call (DESIGN §3.1); they are never parameters.
@@ -18,41 +29,76 @@ trainer and passed in on every call (DESIGN §3.1); they are never parameters.
 import math
 from dataclasses import dataclass
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtune_dtf.modules.selection import sequence_bounds
+
 
 def static_surprise(delta: torch.Tensor) -> torch.Tensor:
-    """D_st = ||Δx||²/d. ``[b, s, d]`` → ``[b, s]``."""
-    return delta.pow(2).mean(dim=-1)
+    """D_st = ||Δx||²/d in fp32. ``[b, s, d]`` → ``[b, s]``."""
+    return delta.float().pow(2).mean(dim=-1)
 
 
 def change_surprise(delta: torch.Tensor, predicted_delta: torch.Tensor) -> torch.Tensor:
-    """D_ch = ||Δx − Δx̂||²/d. ``[b, s, d]`` × 2 → ``[b, s]``."""
-    return (delta - predicted_delta).pow(2).mean(dim=-1)
+    """D_ch = ||Δx − Δx̂||²/d in fp32. ``[b, s, d]`` × 2 → ``[b, s]``."""
+    return (delta.float() - predicted_delta.float()).pow(2).mean(dim=-1)
 
 
-def causal_moving_average(values: torch.Tensor, window: int) -> torch.Tensor:
-    """Causal moving average over the last ``window`` tokens of each row, current token included.
+def causal_moving_average(
+    values: torch.Tensor, window: int, starts: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Causal moving average over the last ``window`` tokens of each sequence, current token included.
 
-    MA_t = mean(values[max(0, t − window + 1) : t + 1]); the first tokens average over the history they
-    have, so the average restarts with every sequence (spec §4.4, §9).
+    MA_t = mean(values[max(start_t, t − window + 1) : t + 1]) where start_t is the first token of t's
+    sequence: the first tokens average over the history they have, and the average restarts with every
+    sequence (spec §4.4, §9), including every packed document (DESIGN R3).
 
     Args:
         values (torch.Tensor): ``[b, s]``.
         window (int): τ_w ≥ 1.
+        starts (Optional[torch.Tensor]): ``[b, s]`` bool, first token of each sequence in the row; None
+            means one sequence per row.
 
     Returns:
-        torch.Tensor: ``[b, s]``.
+        torch.Tensor: ``[b, s]`` fp32.
     """
-    seq_len = values.shape[-1]
-    csum = torch.cumsum(values.float(), dim=-1)
-    shifted = F.pad(csum, (window, 0))[..., :seq_len]  # csum[t - window], zero before the start
-    counts = torch.arange(1, seq_len + 1, device=values.device).clamp(max=window)
-    return ((csum - shifted) / counts).to(values.dtype)
+    batch, seq_len = values.shape
+    # fp64 running sums: differences of long fp32 prefix sums lose the small values to cancellation.
+    csum = F.pad(torch.cumsum(values.double(), dim=-1), (1, 0))  # csum[:, t] = sum of values[:, :t]
+    index = torch.arange(seq_len, device=values.device).expand(batch, seq_len)
+    lowest = (index - window + 1).clamp(min=0)
+    if starts is not None:
+        lowest = torch.maximum(lowest, sequence_bounds(starts)[0])
+    total = csum[:, 1:] - torch.gather(csum, 1, lowest)
+    return (total / (index - lowest + 1)).float()
+
+
+def _log_softplus(z: torch.Tensor) -> torch.Tensor:
+    """log(softplus(z)) without underflow: softplus(z) ≈ e^z below z = −20, where log gives z back."""
+    return torch.where(z < -20, z, torch.log(F.softplus(z.clamp(min=-20))))
+
+
+def gate_rank_score(scaled_ce: torch.Tensor, scaled_cu: torch.Tensor) -> torch.Tensor:
+    """Non-saturating rank score of g from a = β_ce·CE and b = β_cu·CU (module docstring).
+
+    Returns ``s = softplus(a) + softplus(b) = −log(1 − g)`` where s ≥ 1 and ``1 + log s`` below, a
+    continuous, strictly increasing function of g that neither rounds to a constant for large a, b (where
+    g == 1.0) nor for very negative ones (where g, and s, underflow). ``[...]`` → ``[...]`` fp32.
+    """
+    a, b = scaled_ce.float(), scaled_cu.float()
+    s = F.softplus(a) + F.softplus(b)
+    log_s = torch.logaddexp(_log_softplus(a), _log_softplus(b))
+    return torch.where(s >= 1, s, 1 + log_s)
+
+
+def gate_threshold_score(gate_threshold: float) -> float:
+    """The rank score of g = g_th: g ≥ g_th ⟺ :func:`gate_rank_score` ≥ this."""
+    s = -math.log1p(-gate_threshold)
+    return s if s >= 1 else 1 + math.log(s)
 
 
 def inverse_softplus(value: float) -> float:
@@ -62,13 +108,15 @@ def inverse_softplus(value: float) -> float:
 
 @dataclass
 class SurpriseGate:
-    """Per-token outputs of :class:`PredictiveRouter`, each ``[b, s]``."""
+    """Per-token outputs of :class:`PredictiveRouter`, each ``[b, s]`` fp32. ``score`` ranks tokens (same
+    order as g, never saturated); g is the gate and what the losses see."""
 
     ce: torch.Tensor
     cu: torch.Tensor
     s_ce: torch.Tensor
     s_cu: torch.Tensor
     g: torch.Tensor
+    score: torch.Tensor
 
 
 class PredictiveRouter(nn.Module):
@@ -108,7 +156,12 @@ class PredictiveRouter(nn.Module):
         return F.softplus(self.m_cu_raw)
 
     def forward(
-        self, d_st: torch.Tensor, d_ch: torch.Tensor, beta_ce: float, beta_cu: float
+        self,
+        d_st: torch.Tensor,
+        d_ch: torch.Tensor,
+        beta_ce: float,
+        beta_cu: float,
+        starts: Optional[torch.Tensor] = None,
     ) -> SurpriseGate:
         """
         Args:
@@ -116,13 +169,18 @@ class PredictiveRouter(nn.Module):
             d_ch (torch.Tensor): change surprise ``[b, s]``.
             beta_ce (float): inverse temperature of CE, supplied by the trainer.
             beta_cu (float): inverse temperature of CU, supplied by the trainer.
+            starts (Optional[torch.Tensor]): ``[b, s]`` bool, first token of each sequence (the moving
+                average restarts there); None means one sequence per row.
 
         Returns:
-            SurpriseGate: CE, CU, S_CE, S_CU and g, each ``[b, s]``.
+            SurpriseGate: CE, CU, S_CE, S_CU, g and the rank score, each ``[b, s]`` fp32.
         """
-        ce = d_st - (d_ch - torch.log(self.o_ce))
-        cu = d_st - self.m_cu * causal_moving_average(d_st, self.ma_window)
-        s_ce = torch.sigmoid(beta_ce * ce)
-        s_cu = torch.sigmoid(beta_cu * cu)
+        d_st, d_ch = d_st.float(), d_ch.float()
+        ce = d_st - (d_ch - torch.log(self.o_ce.float()))
+        cu = d_st - self.m_cu.float() * causal_moving_average(d_st, self.ma_window, starts)
+        scaled_ce, scaled_cu = beta_ce * ce, beta_cu * cu
+        s_ce = torch.sigmoid(scaled_ce)
+        s_cu = torch.sigmoid(scaled_cu)
         g = s_ce + s_cu - s_ce * s_cu
-        return SurpriseGate(ce=ce, cu=cu, s_ce=s_ce, s_cu=s_cu, g=g)
+        score = gate_rank_score(scaled_ce.detach(), scaled_cu.detach())
+        return SurpriseGate(ce=ce, cu=cu, s_ce=s_ce, s_cu=s_cu, g=g, score=score)

@@ -7,12 +7,15 @@ Every optimizer step s the recipe
 
 1. computes β_ce(s), β_cu(s) from ``beta_schedule`` (spec §6) and passes them to the model in a
    teacher-mode :class:`RoutingContext`;
+   The routed pass runs the teacher's selection, or on a scheduled share of steps the student's own
+   (``scheduled_sampling``, DESIGN R2), so the backbone also trains on what inference executes;
 2. forms L = L_LM + λ_pred·L_pred + λ_causal·L_causal + λ_g_reg·L_g_reg, each auxiliary loss averaged over
    tokens and then over routed layers (spec §4.8; paper §3.3.2);
 3. steps AdamW with separate learning rates for the backbone, the predictors (PriorFFN/TPN), the predictive
    router (o_ce, m_cu) and the routers (causal routers, MoD router).
 
 Single device or FSDP2 (torchrun), CPU or CUDA, fp32 or bf16, gradient accumulation and clipping,
+packed datasets (``packed: True``: block-causal mask, positions restarting per document, DESIGN R3),
 activation checkpointing and compile applied from outside the model (they cover routed layers because
 those are ``TransformerSelfAttentionLayer`` s). Periodic validation reports the held-out LM loss of the
 student (what users deploy) and of the teacher. Checkpoints carry the optimizer, step and data position,
@@ -39,7 +42,8 @@ from tqdm import tqdm
 from torchtune_dtf.modules.routing_context import RoutingContext
 from torchtune_dtf.training.checkpointer import routed_adapter_state_dict
 from torchtune_dtf.training.routing_losses import auxiliary_losses, routing_metrics
-from torchtune_dtf.training.schedules import BetaSchedule, LossWeights
+from torchtune_dtf.data.collate import padded_collate_packed_dense
+from torchtune_dtf.training.schedules import BetaSchedule, LossWeights, ScheduledSampling
 
 log = utils.get_logger("INFO")
 
@@ -77,7 +81,7 @@ REQUIRED_KEYS = (
     "log_every_n_steps",
     "output_dir",
 )
-ROUTED_KEYS = ("routing_loss_weights", "beta_schedule")
+ROUTED_KEYS = ("routing_loss_weights", "beta_schedule", "scheduled_sampling")
 
 
 def validate_recipe_config(cfg: DictConfig) -> None:
@@ -89,6 +93,7 @@ def validate_recipe_config(cfg: DictConfig) -> None:
         for section, keys in (
             ("routing_loss_weights", ("pred", "causal", "g_reg", "warmup_steps")),
             ("beta_schedule", ("type", "beta_ce_start", "beta_ce_end", "beta_cu_start", "beta_cu_end", "warmup_steps")),
+            ("scheduled_sampling", ("share_start", "share_end", "ramp_steps")),
         ):
             if section in cfg:
                 missing += [f"{section}.{key}" for key in keys if key not in cfg[section]]
@@ -146,6 +151,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self.global_step = 0
         if self._variant != "dense":
             self._loss_weights = LossWeights(**cfg.routing_loss_weights)
+            self._scheduled_sampling = ScheduledSampling(**cfg.scheduled_sampling)
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
@@ -255,18 +261,24 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
     def _setup_data(
         self, cfg_dataset: DictConfig, *, shuffle: bool, batch_size: int, state: Optional[Dict[str, Any]]
     ) -> StatefulDataLoader:
-        if isinstance(cfg_dataset, (list, tuple)) or OmegaConf.is_list(cfg_dataset):
-            dataset = torch.utils.data.ConcatDataset([config.instantiate(c, self._tokenizer) for c in cfg_dataset])
-        else:
-            dataset = config.instantiate(cfg_dataset, self._tokenizer)
+        parts = list(cfg_dataset) if (isinstance(cfg_dataset, (list, tuple)) or OmegaConf.is_list(cfg_dataset)) else [cfg_dataset]
+        packed = {bool(part.get("packed", False)) for part in parts}
+        if len(packed) > 1:
+            raise ValueError("Dataset components mix packed: True and packed: False; pack all of them or none")
+        datasets = [config.instantiate(part, self._tokenizer) for part in parts]
+        dataset = datasets[0] if len(datasets) == 1 else torch.utils.data.ConcatDataset(datasets)
         sampler = StatefulDistributedSampler(
             dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=self.seed
         )
-        collate = partial(
-            _get_component_from_path("torchtune.data.padded_collate_sft"),
-            padding_idx=self._tokenizer.pad_id,
-            ignore_idx=self._loss_fn.ignore_index,
-        )
+        if packed.pop():
+            # As torchtune means it: block-causal attention, positions restart in every document.
+            collate = padded_collate_packed_dense
+        else:
+            collate = partial(
+                _get_component_from_path("torchtune.data.padded_collate_sft"),
+                padding_idx=self._tokenizer.pad_id,
+                ignore_idx=self._loss_fn.ignore_index,
+            )
         dataloader = StatefulDataLoader(
             dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True
         )
@@ -291,20 +303,24 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             self._optimizer.load_state_dict(opt_state)
 
     # -------------------------------------------------------------------------------------- training
-    def _routing_context(self, mode: str) -> RoutingContext:
+    def _routing_context(self, mode: str, execute: str = "teacher") -> RoutingContext:
         if self._variant == "dense":
             return RoutingContext(mode=mode)
         beta_ce, beta_cu = self._beta_schedule(self.global_step)
-        return RoutingContext(mode=mode, beta_ce=beta_ce, beta_cu=beta_cu)
+        return RoutingContext(mode=mode, beta_ce=beta_ce, beta_cu=beta_cu, execute=execute)
 
     def _lm_loss(self, batch: Dict[str, torch.Tensor], routing: RoutingContext) -> torch.Tensor:
         labels = batch["labels"]
         labels = torch.hstack((labels[..., 1:], self._ignore_labels[: labels.shape[0]]))
-        logits = self._model(batch["tokens"], routing=routing)
+        # Packed batches carry the block-causal mask and per-document positions.
+        logits = self._model(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"), routing=routing)
         return self._loss_fn(logits, labels)
 
+    def _executes_student(self) -> bool:
+        return self._variant != "dense" and self._scheduled_sampling.executes_student(self.global_step, self.seed)
+
     def _total_loss(self, batch: Dict[str, torch.Tensor]):
-        routing = self._routing_context("teacher")
+        routing = self._routing_context("teacher", "student" if self._executes_student() else "teacher")
         lm_loss = self._lm_loss(batch, routing)
         if self._variant == "dense":
             return lm_loss, {"lm": lm_loss.detach()}, routing
@@ -379,6 +395,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                         metrics["grad_norm"] = float(grad_norm)
                     if self._variant != "dense":
                         metrics["beta_ce"], metrics["beta_cu"] = routing.beta_ce, routing.beta_cu
+                        metrics["scheduled_sampling/share"] = self._scheduled_sampling.share(self.global_step - 1)
+                        metrics["scheduled_sampling/executed_student"] = float(routing.execute == "student")
                         metrics.update(routing_metrics(routing))
                     self._metric_logger.log_dict(metrics, step=self.global_step)
                 parts_sum, num_tokens, step_start = {}, 0, time.perf_counter()

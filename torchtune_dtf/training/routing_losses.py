@@ -31,10 +31,30 @@ def _agreement(teacher: torch.Tensor, student: torch.Tensor) -> Dict[str, float]
     }
 
 
+def tie_share(scores: torch.Tensor) -> float:
+    """Share of tokens whose ranking score equals another token's in the same row (``[b, s]``).
+
+    Ties are decided by position, so a high share means the ranking is position order, not the signal."""
+    ordered = torch.sort(scores.detach().float(), dim=-1).values
+    equal_next = ordered[:, 1:] == ordered[:, :-1]
+    tied = torch.zeros_like(ordered, dtype=torch.bool)
+    tied[:, 1:] |= equal_next
+    tied[:, :-1] |= equal_next
+    return tied.float().mean().item()
+
+
+def first_half_share(mask: torch.Tensor) -> float:
+    """Share of the selected tokens that lie in the first half of their window (0.5 for no position bias)."""
+    half = mask.shape[-1] // 2
+    return (mask[:, :half].sum() / mask.sum().clamp(min=1)).item()
+
+
 @torch.no_grad()
 def routing_metrics(routing: RoutingContext, prefix: str = "routing") -> Dict[str, float]:
-    """Flat per-layer means for logging: D_st, D_ch, S_CE, S_CU, g, o_ce, m_cu, selected fractions and
-    teacher–student agreement (accuracy, precision, recall), keyed ``{prefix}/layer_{i}/{name}``."""
+    """Flat per-layer means for logging: D_st, D_ch, S_CE, S_CU, g, o_ce, m_cu, selected fractions,
+    teacher–student agreement (accuracy, precision, recall) and, for the teacher, the share of tied
+    ranking scores and of selected tokens in the first half of the window (DESIGN R1), keyed
+    ``{prefix}/layer_{i}/{name}``."""
     metrics: Dict[str, float] = {}
     for idx, record in sorted(routing.layers.items()):
         key = f"{prefix}/layer_{idx}"
@@ -45,6 +65,10 @@ def routing_metrics(routing: RoutingContext, prefix: str = "routing") -> Dict[st
         metrics[f"{key}/selected_fraction"] = record.selected_fraction.item()
         if record.teacher_mask is not None:
             metrics[f"{key}/teacher_fraction"] = record.teacher_mask.float().mean().item()
+            metrics[f"{key}/teacher_first_half_share"] = first_half_share(record.teacher_mask)
+            score = record.score if record.score is not None else record.router_logits
+            if score is not None:
+                metrics[f"{key}/score_tie_share"] = tie_share(score)
         if record.student_mask is not None:
             metrics[f"{key}/student_fraction"] = record.student_mask.float().mean().item()
             for name, value in _agreement(record.teacher_mask, record.student_mask).items():

@@ -8,8 +8,11 @@
 For each model it reports the held-out LM loss (per token, on the same fixed windows of the concatenated
 held-out documents). For the routed model it reports the loss of the student (causal routing, what is
 deployed) and of the teacher at the final β of the training schedule, each routed layer's executed
-fraction under the student, and the teacher–student agreement (accuracy, precision, recall) of the
-causal router against the teacher's selection.
+fraction under the student, the teacher–student agreement (accuracy, precision, recall) of the
+causal router against the teacher's selection, and two checks that the teacher's ranking carries the
+surprise signal rather than position order (DESIGN R1): the share of tokens whose ranking score ties with
+another's, and the share of teacher-selected tokens in the first half of each window (≈ 0.5 unbiased,
+≈ 1.0 when ties degenerate to "the first half of the window").
 """
 
 import argparse
@@ -115,18 +118,21 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     print(f"  dense          {loss['dense']:.4f}   (perplexity {torch.tensor(loss['dense']).exp():.1f})")
     print(f"  routed student {loss['routed_student']:.4f}   (perplexity {torch.tensor(loss['routed_student']).exp():.1f})  <- deployed")
     print(f"  routed teacher {loss['routed_teacher']:.4f}   (β_ce={final.beta_ce}, β_cu={final.beta_cu})")
-    print("\nPer routed layer: executed fraction (student, teacher) and teacher–student agreement")
-    print("  layer  student  teacher  accuracy  precision  recall")
+    print("\nPer routed layer: executed fraction (student, teacher), teacher–student agreement, and the")
+    print("teacher ranking's tied-score share and first-half share of its selection (0.5 = no position bias)")
+    print("  layer  student  teacher  accuracy  precision  recall   ties  first_half")
     for idx, row in report["layers"].items():
         print(
             f"  {idx:5d}  {row['student/selected_fraction']:7.3f}  {row['teacher/teacher_fraction']:7.3f}"
             f"  {row['teacher/agreement_accuracy']:8.3f}  {row['teacher/agreement_precision']:9.3f}"
-            f"  {row['teacher/agreement_recall']:6.3f}"
+            f"  {row['teacher/agreement_recall']:6.3f}  {row['teacher/score_tie_share']:5.3f}"
+            f"  {row['teacher/teacher_first_half_share']:10.3f}"
         )
     mean = lambda key: sum(r[key] for r in report["layers"].values()) / len(report["layers"])  # noqa: E731
     print(f"  mean   {mean('student/selected_fraction'):7.3f}  {mean('teacher/teacher_fraction'):7.3f}"
           f"  {mean('teacher/agreement_accuracy'):8.3f}  {mean('teacher/agreement_precision'):9.3f}"
-          f"  {mean('teacher/agreement_recall'):6.3f}")
+          f"  {mean('teacher/agreement_recall'):6.3f}  {mean('teacher/score_tie_share'):5.3f}"
+          f"  {mean('teacher/teacher_first_half_share'):10.3f}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return report

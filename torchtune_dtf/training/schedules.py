@@ -4,6 +4,8 @@ import math
 from dataclasses import dataclass
 from typing import Tuple
 
+import torch
+
 BETA_SCHEDULE_TYPES = ("linear", "cosine")
 
 
@@ -81,3 +83,45 @@ class LossWeights:
     def at(self, step: int) -> Tuple[float, float, float]:
         scale = 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
         return self.pred * scale, self.causal * scale, self.g_reg * scale
+
+
+@dataclass(frozen=True)
+class ScheduledSampling:
+    """Share of optimizer steps whose routed pass runs the student's own mask (DESIGN R2).
+
+    Inference executes what the causal router selects; training on the teacher's mask alone never shows
+    the backbone that. share(s) = share_start + min(1, s / ramp_steps)·(share_end − share_start)
+    (ramp_steps = 0: share_end throughout). Step s runs the student iff u_s < share(s), with u_s drawn
+    from a generator seeded by (seed, s): the same steps on every rank and after a resume.
+
+    Args:
+        share_start (float): share at step 0, in [0, 1].
+        share_end (float): share from ``ramp_steps`` on, in [0, 1].
+        ramp_steps (int): ≥ 0.
+    """
+
+    share_start: float
+    share_end: float
+    ramp_steps: int
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"scheduled_sampling.{name} must be in [0, 1], got {getattr(self, name)!r}"
+            for name in ("share_start", "share_end")
+            if not 0 <= getattr(self, name) <= 1
+        ]
+        if self.ramp_steps < 0:
+            problems.append(f"scheduled_sampling.ramp_steps must be ≥ 0, got {self.ramp_steps}")
+        if problems:
+            raise ValueError("Invalid scheduled_sampling:\n  - " + "\n  - ".join(problems))
+
+    def share(self, step: int) -> float:
+        ramp = 1.0 if self.ramp_steps == 0 else min(1.0, step / self.ramp_steps)
+        return self.share_start + ramp * (self.share_end - self.share_start)
+
+    def executes_student(self, step: int, seed: int) -> bool:
+        share = self.share(step)
+        if share <= 0 or share >= 1:
+            return share >= 1
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        return bool(torch.rand((), generator=generator) < share)

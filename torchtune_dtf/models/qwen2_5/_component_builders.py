@@ -97,6 +97,9 @@ def _routed_decoder(
                 causal_router=causal_router(spec, embed_dim, norm_eps),
                 student_routing_mode=spec.student_routing_mode,
                 student_threshold=spec.student_threshold,
+                gate=spec.gate,
+                always_run_first_token=spec.always_run_first_token,
+                allow_noncausal_student_topk=spec.allow_noncausal_student_topk,
             )
             if spec.variant == "mod":
                 layer = MoDLayer(**block, **routed, mod_router=MoDRouter(embed_dim, spec.routing_init_std))
@@ -159,7 +162,8 @@ def routed_qwen2(
         **routing: every routing hyperparameter of the variant, all required (see
             :mod:`torchtune_dtf.models.routing_config`): ``routed_layers``, ``capacity``,
             ``student_routing_mode``, ``student_threshold``, ``causal_router_input``,
-            ``causal_router_hidden_dim``, ``routing_init_std``; SDT/STT also ``prior_factor``,
+            ``causal_router_hidden_dim``, ``routing_init_std``, ``gate``, ``always_run_first_token``,
+            ``allow_noncausal_student_topk``; SDT/STT also ``prior_factor``,
             ``ma_window``, ``o_ce_init``, ``m_cu_init``, ``teacher_selection``, ``gate_threshold``.
 
     Raises:

@@ -1,0 +1,348 @@
+"""Routing that means what it says (DESIGN R1–R5): rankings that carry the surprise signal in the dtype
+and at the β real configs reach, one gate semantics for training and inference, packed documents routed
+as if alone, student modes that refuse to do nothing or to cheat, pads that never take a budget slot."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchtune.generation import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
+from torchtune.modules.common_utils import delete_kv_caches
+
+from tests.conftest import MOD_ROUTING, ROUTED_VARIANTS, SURPRISE_ROUTING, VOCAB, build_tiny
+from torchtune_dtf.data.collate import padded_collate_packed_dense
+from torchtune_dtf.models import validate_routing
+from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
+from torchtune_dtf.modules.selection import segment_topk_selection, sequence_bounds
+from torchtune_dtf.modules.surprise import gate_rank_score, static_surprise
+from torchtune_dtf.training.schedules import ScheduledSampling
+
+BETA = 100.0  # the end of every shipped β schedule
+
+
+def routed_layers(model):
+    return [layer for layer in model.layers if isinstance(layer, RoutedSelfAttentionLayer)]
+
+
+def teacher(beta=BETA, **kwargs):
+    return RoutingContext(mode="teacher", beta_ce=beta, beta_cu=beta, **kwargs)
+
+
+def float64_moving_average(values: torch.Tensor, window: int) -> torch.Tensor:
+    return torch.stack(
+        [torch.stack([values[b, max(0, t - window + 1) : t + 1].mean() for t in range(values.shape[1])])
+         for b in range(values.shape[0])]
+    )
+
+
+def float64_rank_score(record, layer) -> torch.Tensor:
+    """−log(1 − g) in float64 from the layer's recorded surprise (exact up to exp underflow at −745)."""
+    d_st, d_ch = record.d_st.double(), record.d_ch.double()
+    ce = d_st - (d_ch - torch.log(record.o_ce.double()))
+    cu = d_st - record.m_cu.double() * float64_moving_average(d_st, layer.predictive_router.ma_window)
+    return F.softplus(BETA * ce) + F.softplus(BETA * cu)
+
+
+def float64_topk_mask(score: torch.Tensor, k: int) -> torch.Tensor:
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.zeros_like(score, dtype=torch.bool).scatter_(1, order, True)
+
+
+# ------------------------------------------------------------------------------------- R1: ranking
+def test_rank_score_orders_like_float64_across_both_tails():
+    gen = torch.Generator().manual_seed(0)
+    # a = β·CE, b = β·CU from deep negative (g underflows to 0) to large positive (g == 1.0 in fp32).
+    a = (torch.rand(4000, generator=gen, dtype=torch.float64) * 2 - 1) * 1000
+    b = (torch.rand(4000, generator=gen, dtype=torch.float64) * 2 - 1) * 1000
+    g32 = 1 - torch.sigmoid(-a.float()) * torch.sigmoid(-b.float())
+    assert (g32 == 1.0).float().mean() > 0.4 and (g32 == 0.0).float().mean() > 0.1  # both tails saturate
+    def log_softplus(z):  # float64; softplus(z) = e^z to double precision below −40
+        return torch.where(z < -40, z, F.softplus(z).log())
+
+    exact = torch.logaddexp(log_softplus(a), log_softplus(b))  # log(−log(1 − g)), float64
+    score = gate_rank_score(a.float(), b.float())
+    assert torch.equal(torch.argsort(score, stable=True), torch.argsort(exact, stable=True))
+    assert score.numel() - score.unique().numel() <= 4  # fp32 collisions only (ulp 6e-5 at 1000), not plateaus
+
+
+def test_surprise_is_computed_in_fp32_from_bf16_residuals():
+    delta = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 3
+    d_st = static_surprise(delta)
+    assert d_st.dtype == torch.float32
+    torch.testing.assert_close(d_st, delta.double().pow(2).mean(-1).float(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_teacher_topk_follows_the_float64_surprise_not_position(dtype, tokens):
+    # o_ce = 2 puts β·CE ≈ 100·log 2 ≈ 69 for every token: σ(β·CE), and g, equal 1 to fp32 precision, so a
+    # top-k over g would be decided by rounding and the tie rule — the first half of every row.
+    model = build_tiny("stt", o_ce_init=2.0).to(dtype)
+    ctx = teacher()
+    with torch.no_grad():
+        model(tokens, routing=ctx)
+    for layer in routed_layers(model):
+        record = ctx.layers[layer.layer_idx]
+        saturated = (record.g >= 1 - 1e-7).float().mean()
+        assert saturated > 0.9, "the inputs do not saturate g; the test would prove nothing"
+        k = layer.num_selected(tokens.shape[1])
+        expected = float64_topk_mask(float64_rank_score(record, layer), k)
+        assert torch.equal(record.teacher_mask, expected)
+        assert not torch.equal(record.teacher_mask, float64_topk_mask(torch.zeros_like(record.g), k)), (
+            "selection is position order")
+        ties = record.score.shape[1] - torch.tensor([row.unique().numel() for row in record.score])
+        assert int(ties.sum()) == 0
+
+
+def test_surprise_under_bf16_matches_fp32(tokens):
+    fp32, bf16 = build_tiny("stt"), build_tiny("stt").to(torch.bfloat16)
+    ctx32, ctx16 = teacher(beta=5.0), teacher(beta=5.0)
+    with torch.no_grad():
+        fp32(tokens, routing=ctx32)
+        bf16(tokens, routing=ctx16)
+    for idx, record in ctx32.layers.items():
+        other = ctx16.layers[idx]
+        for name in ("d_st", "d_ch", "ce", "cu", "g"):
+            value = getattr(other, name)
+            assert value.dtype == torch.float32, name
+            torch.testing.assert_close(value, getattr(record, name), rtol=0.05, atol=0.02)
+
+
+def test_teacher_threshold_compares_the_unsaturated_score(tokens):
+    # g_th = 1 − e^−17 is finer than fp32 can resolve near 1; o_ce = 1.18 puts −log(1 − g) around 17.
+    # Comparing g itself would admit tokens whose g merely rounds up to g_th.
+    g_th = 1 - math.exp(-17)
+    model = build_tiny("stt", o_ce_init=1.1806, teacher_selection="threshold", gate_threshold=g_th)
+    ctx = teacher()
+    with torch.no_grad():
+        model(tokens, routing=ctx)
+    discriminating = False
+    for layer in routed_layers(model):
+        record = ctx.layers[layer.layer_idx]
+        expected = float64_rank_score(record, layer) >= 17
+        assert torch.equal(record.teacher_mask, expected)
+        discriminating |= not torch.equal(record.g >= torch.tensor(g_th, dtype=torch.float32), expected)
+        assert 0 < int(expected.sum()) < expected.numel()
+    assert discriminating, "fp32 g ≥ g_th agreed with the exact test everywhere; the inputs prove nothing"
+
+
+def test_mod_router_ranks_bf16_inputs_without_ties(tokens):
+    model = build_tiny("mod").to(torch.bfloat16)
+    layer = routed_layers(model)[0]
+    captured = {}
+    layer.register_forward_pre_hook(lambda mod, args: captured.__setitem__("x", args[0]))
+    ctx = teacher()
+    with torch.no_grad():
+        model(tokens, routing=ctx)
+    record = ctx.layers[layer.layer_idx]
+    assert record.router_logits.dtype == torch.float32
+    exact = captured["x"].double() @ layer.mod_router.proj.weight.double().T
+    expected = float64_topk_mask(exact.squeeze(-1), layer.num_selected(tokens.shape[1]))
+    assert torch.equal(record.teacher_mask, expected)
+    # The same logits rounded to bf16 would tie: what fp32 logits avoid.
+    assert record.router_logits.to(torch.bfloat16).unique().numel() < record.router_logits.numel()
+    assert record.router_logits.unique().numel() == record.router_logits.numel()
+
+
+def test_student_threshold_compares_logits_not_saturated_probabilities(tokens):
+    tau = 1 - 1e-7  # logit(τ) ≈ 16.1: σ(r̃) rounds to 1.0 in fp32 from r̃ ≈ 16.6 on
+    model = build_tiny("stt", student_threshold=tau)
+    layers = routed_layers(model)
+    for layer in layers:
+        with torch.no_grad():
+            layer.causal_router.out.weight.mul_(200.0)
+            layer.causal_router.out.bias.fill_(16.0)
+    ctx = RoutingContext(mode="student")
+    with torch.no_grad():
+        model(tokens, routing=ctx)
+    discriminating = False
+    for layer in layers:
+        record = ctx.layers[layer.layer_idx]
+        expected = torch.sigmoid(record.student_logits.double()) > tau
+        assert torch.equal(record.selected_mask, expected)
+        discriminating |= not torch.equal(torch.sigmoid(record.student_logits) > tau, expected)
+    assert discriminating, "fp32 σ(r̃) > τ agreed everywhere; the inputs prove nothing"
+
+
+# ----------------------------------------------------------------------------------------- R2: gate
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_straight_through_training_forward_is_the_inference_forward(variant, tokens):
+    model = build_tiny(variant, gate="straight_through")
+    with torch.no_grad():
+        deployed = model(tokens, routing=RoutingContext(mode="student"))
+    ctx = teacher(beta=5.0, execute="student")
+    trained = model(tokens, routing=ctx)
+    torch.testing.assert_close(trained, deployed, rtol=0, atol=1e-5)
+    # The gate still carries a gradient to what decides it (o_ce/m_cu for SDT/STT, the MoD router).
+    F.cross_entropy(trained[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    layer = routed_layers(model)[0]
+    decider = layer.mod_router.proj.weight if variant == "mod" else layer.predictive_router.o_ce_raw
+    assert decider.grad is not None and decider.grad.abs().sum() > 0
+
+    # With the papers' scaled gate, the same selections give a different forward: training ≠ inference.
+    scaled = build_tiny(variant, gate="scaled")
+    with torch.no_grad():
+        differs = scaled(tokens, routing=teacher(beta=5.0, execute="student"))
+        if variant == "mod":
+            # MoD's scaled gate is causal, so inference applies σ(r) too and the two agree.
+            torch.testing.assert_close(differs, scaled(tokens), rtol=0, atol=1e-5)
+        else:
+            assert (differs - scaled(tokens)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_scheduled_sampling_runs_the_students_mask(variant, tokens):
+    model = build_tiny(variant)
+    ctx = teacher(beta=5.0, execute="student")
+    with torch.no_grad():
+        model(tokens, routing=ctx)
+    for record in ctx.layers.values():
+        assert torch.equal(record.selected_mask, record.student_mask)
+        assert not torch.equal(record.selected_mask, record.teacher_mask)  # targets stay the teacher's
+
+
+def test_scheduled_sampling_schedule_is_deterministic_and_ramps():
+    schedule = ScheduledSampling(share_start=0.0, share_end=0.5, ramp_steps=100)
+    assert schedule.share(0) == 0.0 and schedule.share(50) == 0.25 and schedule.share(500) == 0.5
+    draws = [schedule.executes_student(step, seed=3) for step in range(100, 2100)]
+    assert draws == [schedule.executes_student(step, seed=3) for step in range(100, 2100)]  # resumable
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.05
+    assert not any(schedule.executes_student(0, seed) for seed in range(20))
+    assert all(ScheduledSampling(1.0, 1.0, 0).executes_student(step, 0) for step in range(20))
+    with pytest.raises(ValueError, match="share_end must be in"):
+        ScheduledSampling(0.0, 1.5, 0)
+
+
+# ------------------------------------------------------------------------------------ R3: packing
+def _pack(documents, pad_len, pad_id=0):
+    """A torchtune PackedDataset pack: documents back to back, positions restarting per document, then
+    padding whose positions run on from the last document (as ``PackedDataset._pad_pack`` writes them)."""
+    tokens = torch.cat([*documents, torch.full((pad_len,), pad_id)])
+    positions = torch.cat([torch.arange(len(d)) for d in documents])
+    positions = torch.cat([positions, positions[-1] + 1 + torch.arange(pad_len)])
+    seq_lens = torch.tensor([len(d) for d in documents] + [pad_len])
+    return {"tokens": tokens, "labels": tokens, "input_pos": positions, "seq_lens": seq_lens}
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+@pytest.mark.parametrize("mode", ["teacher", "student"])
+def test_packed_documents_route_as_if_alone(variant, mode):
+    gen = torch.Generator().manual_seed(11)
+    documents = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (10, 14)]
+    batch = padded_collate_packed_dense([_pack(documents, pad_len=4), _pack(documents[::-1], pad_len=4)])
+    model = build_tiny(variant)
+    make_ctx = (lambda: teacher(beta=5.0)) if mode == "teacher" else (lambda: RoutingContext(mode="student"))
+    packed_ctx = make_ctx()
+    with torch.no_grad():
+        packed = model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"], routing=packed_ctx)
+    for row, order in ((0, (0, 1)), (1, (1, 0))):
+        start = 0
+        for doc_index in order:
+            doc = documents[doc_index]
+            span = slice(start, start + len(doc))
+            alone_ctx = make_ctx()
+            with torch.no_grad():
+                alone = model(doc[None], routing=alone_ctx)
+            torch.testing.assert_close(packed[row, span], alone[0], rtol=1e-4, atol=1e-4)
+            for idx, record in alone_ctx.layers.items():
+                packed_record = packed_ctx.layers[idx]
+                assert torch.equal(packed_record.selected_mask[row, span], record.selected_mask[0])
+                for name in ("d_st", "d_ch", "ce", "cu", "g"):
+                    if getattr(record, name) is not None:
+                        torch.testing.assert_close(getattr(packed_record, name)[row, span], getattr(record, name)[0],
+                                                   rtol=1e-4, atol=1e-5)
+            start += len(doc)
+
+
+def test_packed_collate_gives_torchtunes_block_causal_mask():
+    batch = padded_collate_packed_dense([_pack([torch.arange(1, 4), torch.arange(1, 3)], pad_len=1)])
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                             [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(batch["mask"][0], expected)
+    assert batch["input_pos"][0].tolist() == [0, 1, 2, 0, 1, 2]
+
+
+def test_per_sequence_budget_and_bounds():
+    starts = torch.tensor([[True, False, False, True, False, False, False, True, False]])
+    first, length = sequence_bounds(starts)
+    assert first.tolist() == [[0, 0, 0, 3, 3, 3, 3, 7, 7]] and length.tolist() == [[3, 3, 3, 4, 4, 4, 4, 2, 2]]
+    scores = torch.tensor([[0.0, 5.0, 1.0, 9.0, 2.0, 2.0, 0.0, 3.0, 4.0]])
+    selection = segment_topk_selection(scores, starts, 0.5)  # ⌊1.5⌋ = 1, ⌊2⌋ = 2, ⌊1⌋ = 1
+    assert torch.nonzero(selection.mask[0]).squeeze(-1).tolist() == [1, 3, 4, 8]  # the 2.0 tie: earlier wins
+
+
+# --------------------------------------------------------------------- R4: masks, padding, budgets
+def test_left_pads_never_take_a_topk_slot():
+    # The issue's case: 11 real tokens after 13 pads. A row's budget is γ·11, and pads never compete for it.
+    model = build_tiny("stt", student_routing_mode="topk", student_threshold=None)
+    gen = torch.Generator().manual_seed(4)
+    short, full = torch.randint(1, VOCAB, (11,), generator=gen), torch.randint(1, VOCAB, (24,), generator=gen)
+    batch = torch.stack([torch.cat([torch.zeros(13, dtype=torch.long), short]), full])
+    padding = batch != 0
+    model.setup_caches(batch_size=2, dtype=torch.float32, decoder_max_seq_len=32)
+    ctx = RoutingContext(mode="student")
+    with torch.no_grad():
+        together = model(batch, mask=get_causal_mask_from_padding_mask(padding, 32),
+                         input_pos=get_position_ids_from_padding_mask(padding), routing=ctx)
+    delete_kv_caches(model)
+    model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=32)
+    alone_ctx = RoutingContext(mode="student")
+    with torch.no_grad():
+        alone = model(short[None], mask=torch.tril(torch.ones(11, 32, dtype=torch.bool))[None],
+                      input_pos=torch.arange(11), routing=alone_ctx)
+    torch.testing.assert_close(together[0, 13:], alone[0], rtol=1e-4, atol=1e-4)
+    for idx, record in ctx.layers.items():
+        assert not record.selected_mask[0, :13].any(), "a pad took a slot"
+        assert record.selected_mask[0, 13:].sum() == 5 == math.floor(0.5 * 11)
+        assert torch.equal(record.selected_mask[0, 13:], alone_ctx.layers[idx].selected_mask[0])
+        assert record.selected_mask[1].sum() == 12
+
+
+# ------------------------------------------------------------------ R5: placement and first token
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_always_run_first_token_counts_in_the_capacity(variant, tokens):
+    model = build_tiny(variant, always_run_first_token=True)
+    ctx = teacher(beta=5.0)
+    with torch.no_grad():
+        model(tokens, routing=ctx)
+        student = RoutingContext(mode="student")
+        model(tokens, routing=student)
+    for idx, record in ctx.layers.items():
+        assert record.teacher_mask[:, 0].all()
+        assert record.teacher_mask.sum(-1).tolist() == [12, 12, 12]  # still ⌊γ·24⌋ per row
+        assert student.layers[idx].selected_mask[:, 0].all()
+    baseline = RoutingContext(mode="teacher", beta_ce=5.0, beta_cu=5.0)
+    with torch.no_grad():
+        build_tiny(variant)(tokens, routing=baseline)
+    assert not all(bool(r.teacher_mask[:, 0].all()) for r in baseline.layers.values()), (
+        "position 0 is always selected anyway; the option would prove nothing")
+
+
+def test_named_placements():
+    inner = validate_routing("stt", 30, **_routing(routed_layers="every_other_inner"))
+    assert inner.routed_layers == list(range(1, 28, 2)) and 29 not in inner.routed_layers
+    assert validate_routing("stt", 30, **_routing(routed_layers="every_other")).routed_layers[-1] == 29
+    with pytest.raises(ValueError, match="every_other_inner"):
+        validate_routing("stt", 30, **_routing(routed_layers="every_third"))
+    with pytest.raises(ValueError, match="resolves to no layer"):
+        validate_routing("stt", 2, **_routing(routed_layers="every_other_inner"))
+
+
+def _routing(**overrides):
+    return {**SURPRISE_ROUTING, **overrides}
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("gate", "halfway", "unknown gate 'halfway'"),
+    ("always_run_first_token", "yes", "always_run_first_token must be True or False"),
+    ("allow_noncausal_student_topk", 1, "allow_noncausal_student_topk must be True or False"),
+])
+def test_new_routing_keys_are_validated(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        validate_routing("mod", 4, **{**MOD_ROUTING, key: value})
+
+
+def test_missing_new_keys_are_named():
+    routing = {k: v for k, v in MOD_ROUTING.items() if k not in ("gate", "always_run_first_token")}
+    with pytest.raises(ValueError, match="missing required routing hyperparameter.*gate, always_run_first_token"):
+        validate_routing("mod", 4, **routing)
