@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from torchtune_dtf.models import validate_routing
+
 REPO = Path(__file__).resolve().parents[1]
+ARCH = ("variant", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "embed_dim", "intermediate_dim",
+        "max_seq_len", "attn_dropout", "norm_eps", "rope_base", "tie_word_embeddings")
 
 
 @pytest.mark.slow
@@ -25,10 +29,17 @@ def test_quickstart_runs_and_reports():
     work = REPO / "quickstart_work"
     report = json.loads((work / "report.json").read_text())
     assert all(math.isfinite(v) for v in report["loss"].values())
-    assert len(report["layers"]) == 15  # every other layer of SmolLM2's 30
+    routing = report["config"]["routing"]
+    expected = validate_routing("stt", routing["num_layers"], **{k: v for k, v in routing.items() if k not in ARCH})
+    assert sorted(int(i) for i in report["layers"]) == expected.routed_layers
     for row in report["layers"].values():
         assert 0.0 <= row["student/selected_fraction"] <= 1.0
         assert row["teacher/teacher_fraction"] == pytest.approx(0.5, abs=0.01)
+        # The teacher ranks by surprise, not by the tie rule: no plateau of equal scores, no first-half bias
+        # (before the fp32 rank score, layers 27 and 29 tied on 99.5 % of tokens and chose the first half).
+        assert row["teacher/score_tie_share"] < 0.05
+        assert 0.2 < row["teacher/teacher_first_half_share"] < 0.8
+
     eval_log = (work / "eval_stt.log").read_text()
     assert "heldout_next_sentence" in eval_log and "acc" in eval_log
     assert "Held-out LM loss per token" in proc.stdout

@@ -336,3 +336,11 @@ def test_scheduled_sampling_is_a_required_key():
     del cfg["scheduled_sampling"]["ramp_steps"]
     with pytest.raises(ValueError, match="scheduled_sampling.ramp_steps"):
         RoutedFinetuneRecipe(cfg)
+
+
+def test_validation_refuses_a_noncausal_topk_student_before_training(workdir):
+    cfg = load_config("stt_train", **{"model.student_routing_mode": "topk", "model.student_threshold": None})
+    recipe = RoutedFinetuneRecipe(cfg)
+    with pytest.raises(ValueError, match=r"routed layers \[1, 3\].*not causal.*allow_noncausal_student_topk"):
+        recipe.setup(cfg)
+    assert recipe.global_step == 0

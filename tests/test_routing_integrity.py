@@ -15,7 +15,8 @@ from torchtune_dtf.data.collate import padded_collate_packed_dense
 from torchtune_dtf.models import validate_routing
 from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
 from torchtune_dtf.modules.selection import segment_topk_selection, sequence_bounds
-from torchtune_dtf.modules.surprise import gate_rank_score, static_surprise
+from torchtune_dtf.modules.layers import sequence_starts
+from torchtune_dtf.modules.surprise import causal_moving_average, gate_rank_score, static_surprise
 from torchtune_dtf.training.schedules import ScheduledSampling
 
 BETA = 100.0  # the end of every shipped β schedule
@@ -346,3 +347,23 @@ def test_missing_new_keys_are_named():
     routing = {k: v for k, v in MOD_ROUTING.items() if k not in ("gate", "always_run_first_token")}
     with pytest.raises(ValueError, match="missing required routing hyperparameter.*gate, always_run_first_token"):
         validate_routing("mod", 4, **routing)
+
+
+def test_moving_average_restarts_at_every_sequence_start():
+    values = torch.rand(1, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64).float()
+    starts = torch.zeros(1, 12, dtype=torch.bool)
+    starts[0, [0, 5, 9]] = True
+    got = causal_moving_average(values, 3, starts)
+    pieces = [causal_moving_average(values[:, a:b], 3) for a, b in ((0, 5), (5, 9), (9, 12))]
+    torch.testing.assert_close(got, torch.cat(pieces, dim=1), rtol=1e-6, atol=0)
+
+
+def test_sequence_starts_from_left_padding_and_packing():
+    padding = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+    starts = sequence_starts(get_position_ids_from_padding_mask(padding),
+                             get_causal_mask_from_padding_mask(padding, 5), 0)
+    # Each pad, and the first real token after them, has no predecessor; an unpadded row starts once.
+    assert starts.tolist() == [[True, True, True, False, False], [True, False, False, False, False]]
+    packed = padded_collate_packed_dense([_pack([torch.arange(1, 4), torch.arange(1, 3)], pad_len=2)])
+    starts = sequence_starts(packed["input_pos"], packed["mask"], 0)
+    assert starts.tolist() == [[True, False, False, True, False, True, False]]  # the pad block starts too

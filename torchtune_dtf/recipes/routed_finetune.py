@@ -39,6 +39,7 @@ from torchtune.modules.peft import get_adapter_params, get_merged_lora_ckpt, set
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import RoutingContext
 from torchtune_dtf.training.checkpointer import routed_adapter_state_dict
 from torchtune_dtf.training.routing_losses import auxiliary_losses, routing_metrics
@@ -183,6 +184,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             if cfg.get("dataset_val") is not None
             else None
         )
+        if self._val_dataloader is not None:
+            self._check_student_is_causal()
         self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
@@ -227,6 +230,20 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         if self._is_lora:
             self._check_only_adapters_missing(model, state_dict)
         return model
+
+    def _check_student_is_causal(self) -> None:
+        """Validation scores held-out text with the student; a whole-sequence top-k student is not causal
+        (DESIGN R4), so refuse it before any training unless the config asks for that analysis."""
+        noncausal = sorted(
+            m.layer_idx for m in self._model.modules()
+            if isinstance(m, RoutedSelfAttentionLayer) and m.student_routing_mode == "topk" and not m.allow_noncausal_student_topk
+        )
+        if noncausal:
+            raise ValueError(
+                f"validation would score held-out text with student_routing_mode='topk' (routed layers {noncausal}), "
+                "a per-sequence top-k that is not causal. Use student_routing_mode='threshold', drop dataset_val, "
+                "or set allow_noncausal_student_topk: True to run that analysis deliberately."
+            )
 
     def _load_adapter(self, adapter_state: Dict[str, Any]) -> None:
         """LoRA resume: the base comes from the original checkpoint, adapters and routing from the run."""

@@ -95,6 +95,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("--meta", nargs="*", default=[], metavar="KEY=VALUE", help="extra fields for the JSON")
     args = parser.parse_args(argv)
 
     dense_cfg, routed_cfg = OmegaConf.load(args.dense[0]), OmegaConf.load(args.routed[0])
@@ -104,6 +105,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     beta = routed_cfg.beta_schedule
     final = RoutingContext(mode="teacher", beta_ce=beta.beta_ce_end, beta_cu=beta.beta_cu_end)
     report = {
+        **dict(item.split("=", 1) for item in args.meta),
+        "config": {"routing": {k: v for k, v in OmegaConf.to_container(routed_cfg.model).items() if k != "_component_"},
+                   "scheduled_sampling": OmegaConf.to_container(routed_cfg.get("scheduled_sampling", {}))},
         "heldout_tokens": int(windows[:, 1:].numel()),
         "loss": {
             "dense": heldout_loss(dense, windows, None, args.batch_size),
