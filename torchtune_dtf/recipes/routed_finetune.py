@@ -115,6 +115,22 @@ def _variant_of(cfg_model: DictConfig) -> str:
     return builder.removeprefix("lora_").split("_", 1)[0]
 
 
+#: Prefix that activation checkpointing adds to the names of wrapped modules' parameters (not to state-dict keys).
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def merged_lora_copy(state_dict: Dict[str, torch.Tensor], rank: int, alpha: float) -> Dict[str, torch.Tensor]:
+    """``state_dict`` with its LoRA weights merged into *copies* of the base weights.
+
+    torchtune's ``get_merged_lora_ckpt`` adds the delta in place, and on a single CPU device the state dict
+    holds the live parameters themselves (``.cpu()`` of a CPU tensor is no copy): merging there would move
+    the frozen base by the current delta at every save.
+    """
+    targets = {k.removesuffix(".lora_a.weight") + ".weight" for k in state_dict if k.endswith(".lora_a.weight")}
+    copies = {k: v.clone() if k in targets else v for k, v in state_dict.items()}
+    return get_merged_lora_ckpt(copies, rank=rank, alpha=alpha)
+
+
 def param_group_of(name: str) -> str:
     for group, fragments in PARAM_GROUPS.items():
         if any(fragment in name for fragment in fragments):
@@ -254,7 +270,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
 
     @staticmethod
     def _check_only_adapters_missing(model: nn.Module, state_dict: Dict[str, Any]) -> None:
-        adapters = set(get_adapter_params(model))
+        # Parameter names carry the activation-checkpointing wrapper's prefix; state-dict keys do not.
+        adapters = {name.replace(_CHECKPOINT_WRAPPED, "") for name in get_adapter_params(model)}
         missing = [k for k in model.state_dict() if k not in state_dict and k not in adapters]
         if missing:
             raise ValueError(f"Checkpoint lacks base weights of the model: {missing[:10]}")
@@ -463,9 +480,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             if self._is_lora:
                 # Adapters and routing weights to resume from; merged weights for eval and generate.
                 state[training.ADAPTER_KEY] = routed_adapter_state_dict(model_state)
-                state[training.MODEL_KEY] = get_merged_lora_ckpt(
-                    model_state, rank=self._lora_rank, alpha=self._lora_alpha
-                )
+                state[training.MODEL_KEY] = merged_lora_copy(model_state, rank=self._lora_rank, alpha=self._lora_alpha)
             self._checkpointer.save_checkpoint(state, epoch=epoch, intermediate_checkpoint=intermediate)
             log.info(f"Saved checkpoint at step {self.global_step} (epoch {epoch})")
         if self._distributed:
