@@ -453,3 +453,42 @@ def test_validate_cli_checks_what_the_recipe_checks_without_training(workdir):  
     run_recipe(load_config("stt_train"))
     finished = _validate(workdir, tiny / "stt_train.yaml", "resume_from_checkpoint=True")
     assert finished.returncode == 1 and "finished run" in finished.stderr
+
+
+def test_lora_kill_and_resume_matches_uninterrupted(workdir):  # noqa: F811
+    """LoRA resumes from the adapter and routing of its own checkpoint onto an untouched base: exact."""
+    overrides = dict(max_steps_per_epoch=6, save_every_n_steps=2, gradient_accumulation_steps=1)
+    full = run_recipe(load_config("lora_stt_train", output_dir="./uninterrupted", **overrides))
+    expected = {k: v.clone() for k, v in full._model.state_dict().items()}
+
+    crashed = RoutedFinetuneRecipe(load_config("lora_stt_train", **overrides))
+    crashed.setup(load_config("lora_stt_train", **overrides))
+    real_step = crashed._optimizer.step
+
+    def step_then_crash(*args, **kwargs):
+        real_step(*args, **kwargs)
+        if crashed.global_step == 3:  # after the step-2 checkpoint, before step 4
+            raise KeyboardInterrupt
+
+    crashed._optimizer.step = step_then_crash
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    resumed = run_recipe(load_config("lora_stt_train", resume_from_checkpoint=True, **overrides))
+    assert resumed.global_step == 6
+    state = resumed._model.state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_hub_dataset_with_null_text_is_named():
+    from datasets import Dataset
+
+    from torchtune_dtf.data.checks import check_text_column
+
+    class Loaded:  # what torchtune's TextCompletionDataset holds
+        _data = Dataset.from_dict({"text": ["a", None, "c"]})
+
+    with pytest.raises(ValueError, match=r"wikitext \(train\): 1 row\(s\) without text in column 'text', the first is row 1"):
+        check_text_column(Loaded(), "text", "dataset wikitext (train)")
+    with pytest.raises(ValueError, match=r"no column 'article'"):
+        check_text_column(Loaded(), "article", "dataset cnn")

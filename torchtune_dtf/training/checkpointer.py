@@ -262,10 +262,10 @@ class RoutedHFCheckpointer:
         checkpoint_files (Union[List[str], Dict[str, str]]): weight files, as for
             ``FullModelHFCheckpointer`` (a list, or ``filename_format``/``max_filename``).
         model_type (str): must be ``"QWEN2"`` (the key mapping of every model built here).
-        output_dir (str): where ``epoch_{N}`` folders and ``recipe_state/`` are written.
-        adapter_checkpoint (Optional[str]): adapter file to resume from (relative to ``output_dir``);
-            found automatically when resuming, as in torchtune.
-        recipe_checkpoint (Optional[str]): recipe-state file to resume from, as in torchtune.
+        output_dir (str): where ``epoch_{N}`` checkpoint folders and ``run.json`` are written.
+        adapter_checkpoint (Optional[str]): accepted for torchtune compatibility and not used: a resume takes
+            the adapter from the newest checkpoint folder of the run (:func:`resume_folder`).
+        recipe_checkpoint (Optional[str]): likewise; the recipe state comes from that folder.
         resume_from_checkpoint (bool): deprecated alias of ``should_load_recipe_state`` (torchtune's).
         safe_serialization (bool): save model/adapter weights as safetensors (else ``.bin``/``.pt``).
             The routing sidecar is always safetensors.
