@@ -28,7 +28,8 @@ aten = torch.ops.aten
 
 
 def config_routing(variant: str) -> Dict:
-    """Routing kwargs of ``configs/{variant}_qwen0_5b.yaml`` (the model section minus ``_component_``)."""
+    """Routing kwargs of ``configs/{variant}_qwen0_5b.yaml`` (the model section minus ``_component_``),
+    placed on every other layer."""
     if variant == "dense":
         return {}
     from omegaconf import OmegaConf
@@ -36,6 +37,9 @@ def config_routing(variant: str) -> Dict:
     cfg = OmegaConf.load(REPO / "configs" / f"{variant}_qwen0_5b.yaml")
     model = OmegaConf.to_container(cfg.model, resolve=True)
     model.pop("_component_")
+    # The speed bars and closed forms are stated for γ on every other layer (DESIGN §8), whatever
+    # placement the training configs ship.
+    model["routed_layers"] = "every_other"
     return model
 
 

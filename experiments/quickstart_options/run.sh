@@ -32,9 +32,11 @@ declare -A RUNS=(
     [inner_layers]="$PAPERS model.routed_layers=every_other_inner"
     [first_token]="$PAPERS model.always_run_first_token=True"
     [combined]="$PAPERS model.gate=straight_through scheduled_sampling.share_end=0.5 scheduled_sampling.ramp_steps=$((STEPS / 2)) model.routed_layers=every_other_inner model.always_run_first_token=True"
+    # What configs/quickstart/stt_smollm2.yaml ships: every option that helped alone, scheduled sampling off.
+    [shipped]="$PAPERS model.gate=straight_through model.routed_layers=every_other_inner model.always_run_first_token=True"
 )
 NAMES=("$@")
-if [ ${#NAMES[@]} -eq 0 ]; then NAMES=(papers straight_through scheduled_sampling inner_layers first_token combined); fi
+if [ ${#NAMES[@]} -eq 0 ]; then NAMES=(papers straight_through scheduled_sampling inner_layers first_token combined shipped); fi
 
 common=(max_steps_per_epoch="$STEPS" save_every_n_steps="$STEPS" validation.every_n_steps="$STEPS" seed="$SEED")
 DENSE="$WORK/dense$SUFFIX"

@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("papers", "straight_through", "scheduled_sampling", "inner_layers", "first_token", "combined")
+ORDER = ("papers", "straight_through", "scheduled_sampling", "inner_layers", "first_token", "combined", "shipped")
 
 
 def _mean_layers(report, key):
