@@ -276,11 +276,16 @@ def test_intermediate_checkpoint_saves_and_resumes_recipe_state(hf_dir, tmp_path
     model = build(cfg)
     model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY], strict=True)
     trained_like(model)
-    recipe_state = {training.SEED_KEY: 3, training.EPOCHS_KEY: 1, training.OPT_KEY: {"state": {}, "param_groups": []}}
+    recipe_state = {training.SEED_KEY: 3, training.EPOCHS_KEY: 1, training.OPT_KEY: {"state": {}, "param_groups": []},
+                    "run_id": "r1", "global_step": 7}
     state = {training.MODEL_KEY: model.state_dict(), **recipe_state}
+    ckpt.begin_run("r1")
     ckpt.save_checkpoint(state, epoch=0, intermediate_checkpoint=True)
     assert training.MODEL_KEY in state  # the caller's dict is left alone
-    assert (tmp_path / "out" / "recipe_state" / "recipe_state.pt").is_file()
+    # The recipe state lives in the checkpoint folder it belongs to, which names its run and step.
+    assert (tmp_path / "out" / "epoch_0" / "recipe_state.pt").is_file()
+    manifest = json.loads((tmp_path / "out" / "epoch_0" / "checkpoint.json").read_text())
+    assert (manifest["run_id"], manifest["global_step"], manifest["routing"]) == ("r1", 7, True)
 
     resumed = RoutedHFCheckpointer(
         checkpoint_dir=str(hf_dir),
@@ -316,15 +321,18 @@ def test_lora_adapter_only_save_includes_routing_and_resumes(hf_dir, tmp_path):
     cfg, ckpt, model = lora_model_and_checkpointer(hf_dir, tmp_path / "out")
     trained = {k: v.clone() for k, v in model.state_dict().items()}
     adapter = routed_adapter_state_dict(model.state_dict())
+    ckpt.begin_run("r1")
     ckpt.save_checkpoint(
-        {training.ADAPTER_KEY: adapter, training.ADAPTER_CONFIG: adapter_config(), training.SEED_KEY: 0},
+        {training.ADAPTER_KEY: adapter, training.ADAPTER_CONFIG: adapter_config(), training.SEED_KEY: 0,
+         "run_id": "r1", "global_step": 3},
         epoch=0,
         intermediate_checkpoint=True,
         adapter_only=True,
     )
     saved = tmp_path / "out" / "epoch_0"
     assert not list(saved.glob("model*.safetensors"))
-    assert {"adapter_model.pt", "adapter_model.safetensors", "adapter_config.json", ROUTING_WEIGHTS_FNAME} <= {
+    assert {"adapter_model.pt", "adapter_model.safetensors", "adapter_config.json", ROUTING_WEIGHTS_FNAME,
+            "recipe_state.pt", "checkpoint.json"} <= {
         p.name for p in saved.iterdir()
     }
     routing_keys = {k for k in trained if is_routing_key(k)}

@@ -20,10 +20,20 @@ activation checkpointing and compile applied from outside the model (they cover 
 those are ``TransformerSelfAttentionLayer`` s). Periodic validation reports the held-out LM loss of the
 student (what users deploy) and of the teacher. Checkpoints carry the optimizer, step and data position,
 so ``resume_from_checkpoint: True`` continues a crashed run where its last checkpoint left it.
+
+Resume is exact or refused: every checkpoint is written atomically and carries the run id and step (see
+:class:`~torchtune_dtf.training.RoutedHFCheckpointer`); a finished run, a checkpoint of another run, and a
+config that changes what the rest of the run computes (model, data, batch, optimizer, learning rates,
+schedules…) are refused with a message saying what to do. Extending a finished run is a deliberate act:
+raise ``epochs`` or ``max_steps_per_epoch`` and set ``resume_from_checkpoint: extend`` (the LR and β
+schedules are then recomputed over the new length).
 """
 
+import math
+import os
 import sys
 import time
+import uuid
 from functools import partial
 from typing import Any, Dict, List, Optional
 
@@ -41,8 +51,9 @@ from tqdm import tqdm
 
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import RoutingContext
-from torchtune_dtf.training.checkpointer import routed_adapter_state_dict
+from torchtune_dtf.training.checkpointer import RUN_ID_KEY, STEP_KEY, routed_adapter_state_dict
 from torchtune_dtf.training.routing_losses import auxiliary_losses, routing_metrics
+from torchtune_dtf.data.checks import check_local_text_files, check_text_column
 from torchtune_dtf.data.collate import padded_collate_packed_dense
 from torchtune_dtf.training.schedules import BetaSchedule, LossWeights, ScheduledSampling
 
@@ -83,6 +94,15 @@ REQUIRED_KEYS = (
     "output_dir",
 )
 ROUTED_KEYS = ("routing_loss_weights", "beta_schedule", "scheduled_sampling")
+#: Config entries a resumed run must share with its checkpoint: each changes what the rest of the run computes.
+RESUME_INVARIANT_KEYS = (
+    "model", "tokenizer.max_seq_len", "dataset", "seed", "shuffle", "batch_size", "gradient_accumulation_steps",
+    "clip_grad_norm", "optimizer", "learning_rates", "lr_scheduler", "loss", "freeze_base", "dtype",
+    "routing_loss_weights", "beta_schedule", "scheduled_sampling", "epochs", "max_steps_per_epoch",
+)
+#: What ``resume_from_checkpoint: extend`` may change: the length of the run.
+EXTENDABLE_KEYS = ("epochs", "max_steps_per_epoch")
+RESUME_MODES = (False, True, "extend")
 
 
 def validate_recipe_config(cfg: DictConfig) -> None:
@@ -104,6 +124,55 @@ def validate_recipe_config(cfg: DictConfig) -> None:
         missing += [f"validation.{k}" for k in ("every_n_steps", "max_batches") if k not in cfg.validation]
     if missing:
         raise ValueError(f"Config is missing required key(s): {', '.join(missing)}")
+    _check_values(cfg)
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)  # YAML reads 1e-3 (no dot) as a string
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """Values that would make a run do nothing, the wrong thing, or crash after its first step."""
+    problems = []
+    positive = {
+        "epochs": cfg.epochs, "batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "save_every_n_steps": cfg.save_every_n_steps, "log_every_n_steps": cfg.log_every_n_steps,
+        "validation.every_n_steps": cfg.validation.every_n_steps, "validation.max_batches": cfg.validation.max_batches,
+    }
+    if cfg.max_steps_per_epoch is not None:
+        positive["max_steps_per_epoch"] = cfg.max_steps_per_epoch
+    problems += [f"{key} must be a positive integer, got {value!r}" for key, value in positive.items()
+                 if not (isinstance(value, int) and not isinstance(value, bool) and value > 0)]
+    # A negative learning rate is gradient ascent; 0 freezes a group, which freeze_base/LoRA say more clearly but is allowed.
+    problems += [f"learning_rates.{group} must be ≥ 0, got {lr!r}" for group, lr in cfg.learning_rates.items()
+                 if not _float(lr) >= 0]
+    if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
+        problems.append(f"clip_grad_norm must be > 0 or null, got {cfg.clip_grad_norm!r}")
+    if problems:
+        raise ValueError("Invalid config values:\n  - " + "\n  - ".join(problems))
+
+
+def resume_fingerprint(cfg: DictConfig, world_size: int) -> Dict[str, Any]:
+    """The resume-invariant part of ``cfg``, flattened to ``dotted.key: value`` (interpolations resolved)."""
+    flat: Dict[str, Any] = {"world_size": world_size}
+
+    def add(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                add(f"{key}.{k}", v)
+        elif isinstance(value, list) and any(isinstance(v, dict) for v in value):
+            for i, v in enumerate(value):
+                add(f"{key}.{i}", v)
+        else:
+            flat[key] = value
+
+    for key in RESUME_INVARIANT_KEYS:
+        value = OmegaConf.select(cfg, key)
+        add(key, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
+    return flat
 
 
 def _variant_of(cfg_model: DictConfig) -> str:
@@ -113,6 +182,22 @@ def _variant_of(cfg_model: DictConfig) -> str:
         return cfg_model.variant
     builder = cfg_model._component_.rsplit(".", 1)[-1]
     return builder.removeprefix("lora_").split("_", 1)[0]
+
+
+#: Prefix that activation checkpointing adds to the names of wrapped modules' parameters (not to state-dict keys).
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def merged_lora_copy(state_dict: Dict[str, torch.Tensor], rank: int, alpha: float) -> Dict[str, torch.Tensor]:
+    """``state_dict`` with its LoRA weights merged into *copies* of the base weights.
+
+    torchtune's ``get_merged_lora_ckpt`` adds the delta in place, and on a single CPU device the state dict
+    holds the live parameters themselves (``.cpu()`` of a CPU tensor is no copy): merging there would move
+    the frozen base by the current delta at every save.
+    """
+    targets = {k.removesuffix(".lora_a.weight") + ".weight" for k in state_dict if k.endswith(".lora_a.weight")}
+    copies = {k: v.clone() if k in targets else v for k, v in state_dict.items()}
+    return get_merged_lora_ckpt(copies, rank=rank, alpha=alpha)
 
 
 def param_group_of(name: str) -> str:
@@ -144,7 +229,10 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self._save_every_n_steps = cfg.save_every_n_steps
         self._val_every_n_steps = cfg.validation.every_n_steps
         self._val_max_batches = cfg.validation.max_batches
-        self._resume_from_checkpoint = cfg.resume_from_checkpoint
+        if cfg.resume_from_checkpoint not in RESUME_MODES:
+            raise ValueError(f"resume_from_checkpoint must be one of {RESUME_MODES}, got {cfg.resume_from_checkpoint!r}")
+        self._resume_from_checkpoint = bool(cfg.resume_from_checkpoint)
+        self._extend = cfg.resume_from_checkpoint == "extend"
         self.seed = training.set_seed(seed=cfg.seed)
         self.total_epochs = cfg.epochs
         self.max_steps_per_epoch = cfg.max_steps_per_epoch
@@ -153,6 +241,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         if self._variant != "dense":
             self._loss_weights = LossWeights(**cfg.routing_loss_weights)
             self._scheduled_sampling = ScheduledSampling(**cfg.scheduled_sampling)
+            BetaSchedule(**cfg.beta_schedule, total_steps=1)  # its checks, before any work (total comes with the data)
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
@@ -161,6 +250,13 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             self._metric_logger.log_config(cfg)
         self._checkpointer = config.instantiate(cfg.checkpointer, should_load_recipe_state=self._resume_from_checkpoint)
         checkpoint = self._checkpointer.load_checkpoint()
+        self._fingerprint = resume_fingerprint(cfg, self.world_size)
+        if self._resume_from_checkpoint:
+            # Before any state is applied: a checkpoint that cannot be continued faithfully is refused.
+            self._check_resumable(checkpoint)
+            self._run_id = checkpoint[RUN_ID_KEY]
+        else:
+            self._run_id = uuid.uuid4().hex  # recorded in output_dir when training starts (setup writes nothing)
         self._model = self._setup_model(cfg, checkpoint[training.MODEL_KEY])
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg)
@@ -190,6 +286,15 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
         self._total_steps = self.total_epochs * self._steps_per_epoch
+        if self._steps_per_epoch == 0:
+            raise ValueError(
+                f"The training data gives 0 optimizer steps per epoch: {len(self._dataloader.dataset)} examples make "
+                f"{len(self._dataloader)} full batches of batch_size {cfg.batch_size} per rank ({self.world_size} "
+                f"rank(s)), fewer than gradient_accumulation_steps {self._gradient_accumulation_steps}. Lower those "
+                "or add data; the run would save the untrained model as its result."
+            )
+        if self._resume_from_checkpoint:
+            self._check_resume_length(checkpoint["total_steps"])
         self._lr_scheduler = config.instantiate(
             cfg.lr_scheduler, self._optimizer, num_training_steps=self._total_steps, last_epoch=self.global_step - 1
         )
@@ -254,7 +359,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
 
     @staticmethod
     def _check_only_adapters_missing(model: nn.Module, state_dict: Dict[str, Any]) -> None:
-        adapters = set(get_adapter_params(model))
+        # Parameter names carry the activation-checkpointing wrapper's prefix; state-dict keys do not.
+        adapters = {name.replace(_CHECKPOINT_WRAPPED, "") for name in get_adapter_params(model)}
         missing = [k for k in model.state_dict() if k not in state_dict and k not in adapters]
         if missing:
             raise ValueError(f"Checkpoint lacks base weights of the model: {missing[:10]}")
@@ -282,7 +388,11 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         packed = {bool(part.get("packed", False)) for part in parts}
         if len(packed) > 1:
             raise ValueError("Dataset components mix packed: True and packed: False; pack all of them or none")
+        for part in parts:  # before datasets reads them: bad rows fail here, naming file and line
+            check_local_text_files(part.get("source"), part.get("data_files"), part.get("column", "text"))
         datasets = [config.instantiate(part, self._tokenizer) for part in parts]
+        for part, ds in zip(parts, datasets):
+            check_text_column(ds, part.get("column", "text"), f"dataset {part.get('source')} ({part.get('split', '')})")
         dataset = datasets[0] if len(datasets) == 1 else torch.utils.data.ConcatDataset(datasets)
         sampler = StatefulDistributedSampler(
             dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=self.seed
@@ -303,10 +413,57 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             dataloader.load_state_dict(state)
         return dataloader
 
+    def _check_resumable(self, checkpoint: Dict[str, Any]) -> None:
+        """Refuse to resume with a config that changes what the rest of the run computes."""
+        folder = self._checkpointer._resume_folder
+        saved = checkpoint.get("resume_fingerprint")
+        if saved is None:
+            raise ValueError(f"{folder} holds no resume fingerprint (written by an older version): it cannot be resumed exactly")
+        absent = "<absent>"
+        diffs = [
+            f"{key}: checkpoint {saved.get(key, absent)!r}, config {self._fingerprint.get(key, absent)!r}"
+            for key in sorted(set(saved) | set(self._fingerprint))
+            if saved.get(key, absent) != self._fingerprint.get(key, absent)
+            and not (self._extend and key.split(".")[0] in EXTENDABLE_KEYS)
+        ]
+        if diffs:
+            raise ValueError(
+                f"Cannot resume {folder} exactly: the config differs from the one it was trained with:\n  - "
+                + "\n  - ".join(diffs)
+                + "\nRestore those values to resume. To train with the new ones, start a new run from its weights "
+                f"(checkpointer.checkpoint_dir={folder}, a fresh output_dir). Changing only epochs or "
+                "max_steps_per_epoch is resume_from_checkpoint: extend."
+            )
+
+    def _check_resume_length(self, planned_steps: int) -> None:
+        """A finished run is only continued on purpose (``extend``); otherwise the length must be unchanged."""
+        folder, done = self._checkpointer._resume_folder, self.global_step
+        if self._extend:
+            if self._total_steps <= done:
+                raise ValueError(
+                    f"resume_from_checkpoint: extend, but this config trains {self._total_steps} steps and {folder} "
+                    f"has done {done}: raise epochs or max_steps_per_epoch"
+                )
+            self.epochs_run = done // self._steps_per_epoch
+            log.info(f"Extending run {self._run_id} from step {done} to {self._total_steps}; "
+                     "the LR and β schedules are recomputed over the new length")
+        elif done >= planned_steps:
+            raise ValueError(
+                f"{folder} is the end of a finished run (step {done} of {planned_steps}); resuming would retrain and "
+                "overwrite its final model. To train it further, raise epochs or max_steps_per_epoch and set "
+                f"resume_from_checkpoint: extend; to start a new run from its weights, use checkpointer.checkpoint_dir={folder} "
+                "and a fresh output_dir."
+            )
+        elif self._total_steps != planned_steps:
+            raise ValueError(
+                f"Cannot resume {folder} exactly: the run was planned for {planned_steps} steps and this config and "
+                f"data give {self._total_steps} (the dataset changed length?); the LR and β schedules would change"
+            )
+
     def _restore_recipe_state(self, checkpoint: Dict[str, Any]) -> None:
         try:
             self.epochs_run = checkpoint[training.EPOCHS_KEY]
-            self.global_step = checkpoint["global_step"]
+            self.global_step = checkpoint[STEP_KEY]
             opt_state = checkpoint[training.OPT_KEY]
         except KeyError as err:
             raise ValueError(
@@ -367,6 +524,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         return {"val/lm_loss_student": (result[0] / result[2]).item(), "val/lm_loss_teacher": (result[1] / result[2]).item()}
 
     def train(self) -> None:
+        if not self._resume_from_checkpoint and self._is_rank_zero:
+            self._checkpointer.begin_run(self._run_id)
         self._model.train()
         self._optimizer.zero_grad()
         parts_sum: Dict[str, float] = {}
@@ -390,11 +549,12 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                 if micro_step % self._gradient_accumulation_steps:
                     continue
 
-                grad_norm = None
-                if self._clip_grad_norm is not None:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), max_norm=float(self._clip_grad_norm))
-                    if hasattr(grad_norm, "full_tensor"):
-                        grad_norm = grad_norm.full_tensor()
+                # Without clipping the norm is still computed (max_norm inf scales by 1): it guards divergence.
+                max_norm = math.inf if self._clip_grad_norm is None else float(self._clip_grad_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), max_norm=max_norm)
+                if hasattr(grad_norm, "full_tensor"):
+                    grad_norm = grad_norm.full_tensor()
+                self._stop_if_diverged(parts_sum, grad_norm)
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
                 self._lr_scheduler.step()
@@ -430,43 +590,57 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             self.epochs_run = curr_epoch + 1
             self.save_checkpoint(epoch=curr_epoch, epochs_run=self.epochs_run)
 
+    def _stop_if_diverged(self, parts: Dict[str, float], grad_norm: torch.Tensor) -> None:
+        """A non-finite loss or gradient stops the run before the optimizer step, so neither the weights nor
+        any checkpoint take it (all ranks agree: the flag is reduced)."""
+        bad = torch.tensor(
+            float(not all(math.isfinite(v) for v in parts.values()) or not torch.isfinite(grad_norm).item()),
+            device=self._device,
+        )
+        if self._distributed:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            losses = ", ".join(f"{k} {v:.4g}" for k, v in parts.items())
+            raise FloatingPointError(
+                f"Training diverged at step {self.global_step + 1}: loss ({losses}), grad norm {float(grad_norm):.4g} "
+                "(on some rank). Stopped before the optimizer step; the checkpoints in output_dir are untouched. "
+                "Lower the learning rates, check clip_grad_norm and the data (documents of a single token give no "
+                "LM targets), then resume or restart."
+            )
+
     # ----------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, epoch: int, epochs_run: int) -> None:
-        """Model (base weights in HF layout + routing sidecar) and, unless training is over, the recipe
-        state needed to resume: optimizer, epoch, step, seed and data position."""
-        intermediate = self.global_step < self._total_steps
+        """Model (base weights in HF layout + routing sidecar) and the recipe state needed to resume (or,
+        after the last step, to extend) the run: optimizer, epoch, step, seed, data position, run id and the
+        resume-invariant config. The checkpointer writes them atomically into ``epoch_{epoch}``."""
         if self._distributed:
             model_state = training.gather_cpu_state_dict(self._model, self._is_rank_zero, device=self._device)
-            opt_state = (
-                training.get_full_optimizer_state_dict(self._model, self._optimizer, self._is_rank_zero, device=self._device)
-                if intermediate
-                else None
+            opt_state = training.get_full_optimizer_state_dict(
+                self._model, self._optimizer, self._is_rank_zero, device=self._device
             )
         else:
             model_state = {k: v.cpu() for k, v in self._model.state_dict().items()}
-            opt_state = self._optimizer.state_dict() if intermediate else None
+            opt_state = self._optimizer.state_dict()
         dataloader_state = self._dataloader.state_dict()
         if self._is_rank_zero:
-            state = {training.MODEL_KEY: model_state}
-            if intermediate:
-                state.update(
-                    {
-                        training.OPT_KEY: opt_state,
-                        training.EPOCHS_KEY: epochs_run,
-                        training.SEED_KEY: self.seed,
-                        training.TOTAL_EPOCHS_KEY: self.total_epochs,
-                        training.MAX_STEPS_KEY: self.max_steps_per_epoch,
-                        training.DATALOADER_KEY: dataloader_state,
-                        "global_step": self.global_step,
-                    }
-                )
+            state = {
+                training.MODEL_KEY: model_state,
+                training.OPT_KEY: opt_state,
+                training.EPOCHS_KEY: epochs_run,
+                training.SEED_KEY: self.seed,
+                training.TOTAL_EPOCHS_KEY: self.total_epochs,
+                training.MAX_STEPS_KEY: self.max_steps_per_epoch,
+                training.DATALOADER_KEY: dataloader_state,
+                STEP_KEY: self.global_step,
+                RUN_ID_KEY: self._run_id,
+                "total_steps": self._total_steps,
+                "resume_fingerprint": self._fingerprint,
+            }
             if self._is_lora:
                 # Adapters and routing weights to resume from; merged weights for eval and generate.
                 state[training.ADAPTER_KEY] = routed_adapter_state_dict(model_state)
-                state[training.MODEL_KEY] = get_merged_lora_ckpt(
-                    model_state, rank=self._lora_rank, alpha=self._lora_alpha
-                )
-            self._checkpointer.save_checkpoint(state, epoch=epoch, intermediate_checkpoint=intermediate)
+                state[training.MODEL_KEY] = merged_lora_copy(model_state, rank=self._lora_rank, alpha=self._lora_alpha)
+            self._checkpointer.save_checkpoint(state, epoch=epoch, intermediate_checkpoint=True)
             log.info(f"Saved checkpoint at step {self.global_step} (epoch {epoch})")
         if self._distributed:
             dist.barrier()
@@ -481,7 +655,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point for ``tune run torchtune_dtf/recipes/routed_finetune.py --config ...``."""
-    if utils.get_world_size_and_rank()[0] > 1 and not dist.is_initialized():
+    # torchrun's environment, not get_world_size_and_rank(): that one reports 1 until the group exists.
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
     config.log_config(recipe_name="RoutedFinetuneRecipe", cfg=cfg)

@@ -10,10 +10,18 @@ and STT models. :class:`RoutedHFCheckpointer` wraps it (composition, not a copy)
   The result is validated key by key and shape by shape against the model built from the same
   config on the meta device, so it loads strictly into that model.
 * **save** — the base weights go out through the base checkpointer (a stock HF directory that
-  ``FullModelHFCheckpointer`` and ``transformers`` read), the routing weights into
-  ``output_dir/epoch_{N}/routing.safetensors`` beside them. Adapter and recipe-state files are the
-  base checkpointer's; adapter files hold LoRA weights only, and when a LoRA run resumes from
-  ``epoch_{N}/adapter_model.pt`` the routing sidecar beside it is added to the ``"adapter"`` entry.
+  ``FullModelHFCheckpointer`` and ``transformers`` read), the routing weights into ``routing.safetensors``
+  beside them, the recipe state into ``recipe_state.pt`` in the same folder. Adapter files hold LoRA
+  weights only, and when a LoRA run resumes from ``epoch_{N}/adapter_model.pt`` the routing sidecar beside
+  it is added to the ``"adapter"`` entry.
+* **atomic** — a save is written into ``output_dir/.saving/epoch_{N}``, closed with ``checkpoint.json``
+  (run id, step, size of every file) and only then renamed to ``epoch_{N}`` (the previous one is moved
+  aside first and deleted after), so a kill at any moment leaves the last complete checkpoint loadable.
+  Loading checks every listed file's size, and that the recipe state and routing sidecar carry the
+  manifest's run id and step; resume takes the newest checkpoint only if it belongs to the run named in
+  ``output_dir/run.json`` (see :meth:`RoutedHFCheckpointer.begin_run`).
+* **never invents weights** — a folder saved from a routed model without its ``routing.safetensors`` is an
+  error; fresh routing (logged) is only for a stock dense checkpoint.
 
 Config usage (the model component is shared with the recipe through interpolation)::
 
@@ -31,20 +39,38 @@ of an eval or generate config as it is (``checkpoint_files: [model-00001-of-0000
 the shard names it holds); its routing sidecar is picked up automatically.
 """
 
+import json
+import os
+import shutil
+import struct
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torchtune import config, training
+from torchtune import config, training, utils
 from torchtune.modules.peft import get_adapter_params, get_adapter_state_dict
+from torchtune.training.checkpointing._utils import RECIPE_STATE_DIRNAME
 
 from torchtune_dtf.modules import ROUTING_MODULE_NAMES, is_routing_key
 
 #: Name of the routing-weights sidecar written beside the model (or adapter) files of each epoch.
 ROUTING_WEIGHTS_FNAME = "routing.safetensors"
+#: Written last into every checkpoint folder: the run and step it holds and the size of each of its files.
+MANIFEST_FNAME = "checkpoint.json"
+#: The recipe state (optimizer, step, data position) lives inside the checkpoint folder it belongs to.
+RECIPE_STATE_FNAME = "recipe_state.pt"
+#: ``output_dir/run.json`` names the run that owns ``output_dir``; resume only takes that run's checkpoints.
+RUN_FNAME = "run.json"
+#: Recipe-state entries that identify a checkpoint.
+RUN_ID_KEY, STEP_KEY = "run_id", "global_step"
+_STAGING = ".saving"  # a save is written here, then renamed into place
+_REPLACED = ".replaced_"  # the previous epoch_N while the new one is renamed into place
+
+log = utils.get_logger("INFO")
 
 _Shapes = Dict[str, torch.Size]
 
@@ -105,16 +131,126 @@ def _raise_if(problems: List[str], context: str) -> None:
         raise ValueError(f"{context}:\n  - " + "\n  - ".join(problems))
 
 
-def _latest_epoch_weight_files(output_dir: Path) -> List[str]:
-    """Weight files of the highest ``epoch_N`` folder under ``output_dir``, relative to it."""
-    epochs = [p for p in output_dir.glob("epoch_*") if p.is_dir() and p.name.split("_", 1)[1].isdigit()]
-    if not epochs:
-        raise ValueError(f"Asked to resume, but {output_dir} holds no epoch_N checkpoint folder")
-    latest = max(epochs, key=lambda p: int(p.name.split("_", 1)[1]))
-    files = sorted(latest.glob("model-*.safetensors")) or sorted(latest.glob("model-*.bin"))
-    if not files:
-        raise ValueError(f"Asked to resume, but {latest} holds no model weight files")
-    return [f"{latest.name}/{f.name}" for f in files]
+def _epoch_of(name: str, prefix: str = "epoch_") -> Optional[int]:
+    rest = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() else None
+
+
+def checkpoint_folders(output_dir: Path) -> Dict[int, Path]:
+    """Complete checkpoint folders under ``output_dir`` by epoch number.
+
+    A save renames the finished folder into place (see :meth:`RoutedHFCheckpointer.save_checkpoint`), so an
+    ``epoch_N`` folder is complete. A kill between moving the previous ``epoch_N`` aside and renaming the new
+    one in leaves only ``.replaced_epoch_N``: that one is then the last complete checkpoint of epoch N.
+    """
+    folders: Dict[int, Path] = {}
+    for path in output_dir.glob(f"{_REPLACED}epoch_*"):
+        if path.is_dir() and _epoch_of(path.name, f"{_REPLACED}epoch_") is not None:
+            folders[_epoch_of(path.name, f"{_REPLACED}epoch_")] = path
+    for path in output_dir.glob("epoch_*"):
+        if path.is_dir() and _epoch_of(path.name) is not None:
+            folders[_epoch_of(path.name)] = path
+    return folders
+
+
+def read_manifest(folder: Path) -> Optional[Dict[str, Any]]:
+    """The manifest of a checkpoint folder, None for a folder without one (a stock HF checkpoint)."""
+    path = folder / MANIFEST_FNAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"Cannot read checkpoint manifest {path}: {err}") from err
+
+
+def verify_files(folder: Path, manifest: Mapping[str, Any]) -> None:
+    """Every file the manifest lists is there with the size it was written with (names the first bad file)."""
+    for name, size in manifest["files"].items():
+        path = folder / name
+        if not path.is_file() and name == ROUTING_WEIGHTS_FNAME:
+            raise ValueError(
+                f"{path} is missing: {folder} was saved from a routed model, and its trained routing weights are "
+                "only in that file. Restore it; fresh routing is only for a stock dense checkpoint."
+            )
+        if not path.is_file():
+            raise ValueError(f"Checkpoint file {path} is missing (listed in {folder / MANIFEST_FNAME})")
+        if path.stat().st_size != size:
+            raise ValueError(
+                f"Checkpoint file {path} is truncated or altered: {path.stat().st_size} bytes, written with {size}"
+            )
+
+
+def check_safetensors_complete(path: Path) -> None:
+    """A truncated safetensors file fails here, naming the file, instead of deep inside safetensors."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                raise ValueError("header runs past the end of the file")
+            header = json.loads(f.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a complete safetensors file ({err})") from err
+    if 8 + header_len + end > size:
+        raise ValueError(f"{path} is truncated: {size} bytes, its header needs {8 + header_len + end}")
+
+
+def recover_interrupted_save(output_dir: Path) -> None:
+    """Undo what a killed save left: its staging folder, and a previous ``epoch_N`` moved aside (put back
+    when the new one never arrived, deleted when it did). Concurrent ranks may race here; both outcomes agree."""
+    shutil.rmtree(output_dir / _STAGING, ignore_errors=True)
+    for replaced in output_dir.glob(f"{_REPLACED}epoch_*"):
+        target = output_dir / replaced.name[len(_REPLACED):]
+        try:
+            if target.exists():
+                shutil.rmtree(replaced)
+            else:
+                os.replace(replaced, target)
+        except FileNotFoundError:
+            pass
+
+
+def read_run_id(output_dir: Path) -> Optional[str]:
+    path = output_dir / RUN_FNAME
+    return json.loads(path.read_text())[RUN_ID_KEY] if path.is_file() else None
+
+
+def resume_folder(output_dir: Path) -> Path:
+    """The checkpoint folder a resume continues from: the newest complete one, which must belong to the run
+    that owns ``output_dir`` (``run.json``) and hold the files its manifest lists."""
+    recover_interrupted_save(output_dir)
+    run_id = read_run_id(output_dir)
+    if run_id is None:
+        raise ValueError(
+            f"Asked to resume, but {output_dir} has no {RUN_FNAME}: no run of this version started there "
+            f"(checkpoints written before atomic checkpoints cannot be verified). Start a new run from its weights "
+            f"(checkpointer.checkpoint_dir=<its epoch_N folder>) in a fresh output_dir."
+        )
+    folders = checkpoint_folders(output_dir)
+    if not folders:
+        raise ValueError(f"Asked to resume, but {output_dir} holds no complete epoch_N checkpoint of run {run_id}")
+    folder = folders[max(folders)]
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ValueError(f"Asked to resume from {folder}, but it has no {MANIFEST_FNAME} and cannot be verified")
+    if manifest.get(RUN_ID_KEY) != run_id:
+        raise ValueError(
+            f"The newest checkpoint {folder} belongs to run {manifest.get(RUN_ID_KEY)}, not to run {run_id} that "
+            f"last started in {output_dir} ({RUN_FNAME}). Resuming it would mix two runs: remove {folder} (or "
+            "resume into the output_dir of the run it belongs to), or start a new run in a fresh output_dir."
+        )
+    verify_files(folder, manifest)
+    return folder
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class RoutedHFCheckpointer:
@@ -126,10 +262,10 @@ class RoutedHFCheckpointer:
         checkpoint_files (Union[List[str], Dict[str, str]]): weight files, as for
             ``FullModelHFCheckpointer`` (a list, or ``filename_format``/``max_filename``).
         model_type (str): must be ``"QWEN2"`` (the key mapping of every model built here).
-        output_dir (str): where ``epoch_{N}`` folders and ``recipe_state/`` are written.
-        adapter_checkpoint (Optional[str]): adapter file to resume from (relative to ``output_dir``);
-            found automatically when resuming, as in torchtune.
-        recipe_checkpoint (Optional[str]): recipe-state file to resume from, as in torchtune.
+        output_dir (str): where ``epoch_{N}`` checkpoint folders and ``run.json`` are written.
+        adapter_checkpoint (Optional[str]): accepted for torchtune compatibility and not used: a resume takes
+            the adapter from the newest checkpoint folder of the run (:func:`resume_folder`).
+        recipe_checkpoint (Optional[str]): likewise; the recipe state comes from that folder.
         resume_from_checkpoint (bool): deprecated alias of ``should_load_recipe_state`` (torchtune's).
         safe_serialization (bool): save model/adapter weights as safetensors (else ``.bin``/``.pt``).
             The routing sidecar is always safetensors.
@@ -167,6 +303,7 @@ class RoutedHFCheckpointer:
 
         meta_model = self._build_meta_model()
         shapes = {key: value.shape for key, value in meta_model.state_dict().items()}
+        self._meta_attn = meta_model.layers[0].attn
         adapter_keys = set(get_adapter_params(meta_model))
         self._routing_shapes: _Shapes = {k: s for k, s in shapes.items() if is_routing_key(k)}
         self._lora_shapes: _Shapes = {k: s for k, s in shapes.items() if k in adapter_keys and not is_routing_key(k)}
@@ -174,10 +311,20 @@ class RoutedHFCheckpointer:
             k: s for k, s in shapes.items() if k not in self._routing_shapes and k not in self._lora_shapes
         }
 
-        if (should_load_recipe_state or resume_from_checkpoint) and not self._lora_shapes:
-            # Resuming a full fine-tune: weights come from the newest epoch folder this run wrote (torchtune
-            # itself would look for the original file names directly under output_dir).
-            checkpoint_files = _latest_epoch_weight_files(Path(output_dir))
+        self._resume_folder: Optional[Path] = None
+        if should_load_recipe_state or resume_from_checkpoint:
+            # Every file comes from the newest complete checkpoint of this run (torchtune itself would take the
+            # largest epoch folder whatever run wrote it, and a recipe state shared by all epochs).
+            self._resume_folder = resume_folder(Path(output_dir))
+            name = self._resume_folder.name
+            recipe_checkpoint = f"{name}/{RECIPE_STATE_FNAME}"
+            if self._lora_shapes:
+                adapter_checkpoint = f"{name}/adapter_model.pt"
+            else:
+                files = sorted(self._resume_folder.glob("model-*.safetensors")) or sorted(self._resume_folder.glob("model-*.bin"))
+                if not files:
+                    raise ValueError(f"Asked to resume, but {self._resume_folder} holds no model weight files")
+                checkpoint_files = [f"{name}/{f.name}" for f in files]
         self._base = training.FullModelHFCheckpointer(
             checkpoint_dir=checkpoint_dir,
             checkpoint_files=checkpoint_files,
@@ -233,32 +380,114 @@ class RoutedHFCheckpointer:
             ValueError: naming every missing base key, unexpected key and shape mismatch, in the HF
                 checkpoint, the routing sidecar or the adapter checkpoint.
         """
-        state = self._base.load_checkpoint()
-        base = state[training.MODEL_KEY]
         weights_dir = Path(self._base._checkpoint_paths[0]).parent
+        manifest = read_manifest(weights_dir)
+        if manifest is not None:
+            verify_files(weights_dir, manifest)
+        for path in self._base._checkpoint_paths:
+            if Path(path).suffix == ".safetensors":
+                check_safetensors_complete(Path(path))
+        config_problems = self._config_json_problems()
+        try:
+            state = self._base.load_checkpoint()
+        except Exception as err:  # e.g. q/k conversion with edited head counts: the cause is config.json
+            _raise_if(config_problems, "Checkpoint config.json does not match the configured model")
+            raise
+        base = state[training.MODEL_KEY]
         sidecar = weights_dir / ROUTING_WEIGHTS_FNAME
         if sidecar.is_file():
-            routing, routing_source = load_file(sidecar), str(sidecar)
-        else:
+            routing, routing_source = self._load_sidecar(sidecar, manifest), str(sidecar)
+        else:  # a routed folder without it failed in verify_files
             routing_source = f"routing initialised with seed {self._routing_init_seed}"
             dtype = next((v.dtype for v in base.values() if v.is_floating_point()), torch.float32)
             routing = self._initial_routing(dtype)
-        problems = _key_problems(base, self._base_shapes, self._base_shapes, f"HF checkpoint in {weights_dir}")
+            if routing:
+                log.info(f"{weights_dir} is a dense checkpoint: {routing_source} ({len(routing)} tensors)")
+        problems = config_problems + _key_problems(base, self._base_shapes, self._base_shapes, f"HF checkpoint in {weights_dir}")
         problems += _key_problems(routing, self._routing_shapes, self._routing_shapes, routing_source)
         _raise_if(problems, "Checkpoint does not match the configured model")
         state[training.MODEL_KEY] = {**base, **routing}
 
+        if self._resume_folder is not None:
+            self._check_identity(state, self._resume_folder)
         if training.ADAPTER_KEY in state:
             adapter = state[training.ADAPTER_KEY]
-            adapter_sidecar = Path(self._base._adapter_checkpoint).parent / ROUTING_WEIGHTS_FNAME
+            adapter_dir = Path(self._base._adapter_checkpoint).parent
+            adapter_sidecar = adapter_dir / ROUTING_WEIGHTS_FNAME
             if adapter_sidecar.is_file():
-                adapter.update(load_file(adapter_sidecar))
+                adapter.update(self._load_sidecar(adapter_sidecar, read_manifest(adapter_dir)))
+            elif self._routing_shapes:
+                raise ValueError(f"{adapter_sidecar} is missing: the trained routing weights of this LoRA run are only in it")
             allowed = {**self._lora_shapes, **self._routing_shapes}
             source = f"adapter checkpoint {self._base._adapter_checkpoint}"
             _raise_if(_key_problems(adapter, allowed, (), source), "Adapter does not match the configured model")
         return state
 
+    def _config_json_problems(self) -> List[str]:
+        """``config.json`` must describe the configured model: the base checkpointer converts q/k with its
+        head counts and copies it into every saved checkpoint, so an edited one would go through unseen."""
+        hf, shapes = self._base._config, self._base_shapes
+        embed = shapes["tok_embeddings.weight"]
+        attn = self._meta_attn
+        expected = {
+            "vocab_size": embed[0],
+            "hidden_size": embed[1],
+            "num_hidden_layers": len({k.split(".")[1] for k in shapes if k.startswith("layers.")}),
+            "num_attention_heads": attn.num_heads,
+            "num_key_value_heads": attn.num_kv_heads,
+            "intermediate_size": shapes["layers.0.mlp.w1.weight"][0],
+        }
+        path = self._base._checkpoint_dir / "config.json"
+        problems = [
+            f"{path}: {key} is {hf.get(key)!r}, the configured model has {value}"
+            for key, value in expected.items()
+            if hf.get(key) != value
+        ]
+        head_dim = hf.get("head_dim") or (hf.get("hidden_size") or 0) // max(hf.get("num_attention_heads") or 1, 1)
+        if head_dim != attn.head_dim:
+            problems.append(f"{path}: head_dim is {head_dim}, the configured model has {attn.head_dim}")
+        return problems
+
+    @staticmethod
+    def _load_sidecar(path: Path, manifest: Optional[Mapping[str, Any]]) -> Dict[str, torch.Tensor]:
+        """The routing sidecar, checked complete and (in a checkpoint folder) from the same run and step."""
+        check_safetensors_complete(path)
+        if manifest is not None:
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+            for key in (RUN_ID_KEY, STEP_KEY):
+                if key in manifest and meta.get(key) != str(manifest[key]):
+                    raise ValueError(f"{path} holds {key} {meta.get(key)}, its checkpoint {manifest[key]}")
+        return load_file(path)
+
+    @staticmethod
+    def _check_identity(state: Mapping[str, Any], folder: Path) -> None:
+        """The recipe state must carry the run and step of the checkpoint folder it was loaded from."""
+        manifest = read_manifest(folder)
+        for key in (RUN_ID_KEY, STEP_KEY):
+            if state.get(key) != manifest.get(key):
+                raise ValueError(
+                    f"{folder / RECIPE_STATE_FNAME} holds {key} {state.get(key)!r}, but {folder / MANIFEST_FNAME} "
+                    f"says {manifest.get(key)!r}: the parts of this checkpoint come from different saves"
+                )
+
     # -- save ----------------------------------------------------------------------------------
+    def begin_run(self, run_id: str) -> None:
+        """Record that ``run_id`` now owns ``output_dir``: resume takes only its checkpoints.
+
+        Checkpoint folders of an earlier run stay where they are (they are never resumed); say so.
+        """
+        others = sorted(
+            f"{p.name} (run {m.get(RUN_ID_KEY) if m else 'unknown'})"
+            for p in checkpoint_folders(self._output_dir).values()
+            for m in [read_manifest(p)]
+        )
+        if others:
+            log.warning(f"{self._output_dir} holds checkpoints of an earlier run, which this run will replace or leave: {others}")
+        tmp = self._output_dir / f"{RUN_FNAME}.tmp"
+        tmp.write_text(json.dumps({RUN_ID_KEY: run_id}))
+        os.replace(tmp, self._output_dir / RUN_FNAME)
+
     def save_checkpoint(
         self,
         state_dict: Dict[str, Any],
@@ -273,7 +502,8 @@ class RoutedHFCheckpointer:
         ``FullModelHFCheckpointer`` does: model shards + index (unless ``adapter_only``),
         ``adapter_model.pt``/``.safetensors`` and ``adapter_config.json`` when given, the non-weight
         files of ``checkpoint_dir`` (``config.json``, tokenizer files…), and
-        ``recipe_state/recipe_state.pt`` when ``intermediate_checkpoint``. ``load_checkpoint`` must
+        ``recipe_state.pt`` when ``intermediate_checkpoint``, all into ``epoch_{epoch}`` atomically (module
+        docstring); ``run_id`` and ``global_step`` entries are recorded in the manifest. ``load_checkpoint`` must
         have been called first (as for the base checkpointer). ``state_dict`` itself is not modified.
 
         Args:
@@ -314,10 +544,46 @@ class RoutedHFCheckpointer:
             problems += _key_problems(routing, self._routing_shapes, self._routing_shapes, "routing weights")
         _raise_if(problems, f"Cannot save epoch {epoch}: state dict does not match the configured model")
 
-        self._base.save_checkpoint(
-            to_save, epoch=epoch, intermediate_checkpoint=intermediate_checkpoint, adapter_only=adapter_only
-        )
+        identity = {key: state_dict[key] for key in (RUN_ID_KEY, STEP_KEY) if key in state_dict}
+
+        # Everything is written into a staging folder and renamed into place when complete, so a kill at any
+        # moment leaves the previous checkpoint whole.
+        recover_interrupted_save(self._output_dir)
+        staging = self._output_dir / _STAGING
+        self._base._output_dir = staging
+        try:
+            self._base.save_checkpoint(
+                to_save, epoch=epoch, intermediate_checkpoint=intermediate_checkpoint, adapter_only=adapter_only
+            )
+        finally:
+            self._base._output_dir = self._output_dir
+        folder = staging / f"epoch_{epoch}"
+        folder.mkdir(parents=True, exist_ok=True)
+        recipe_state = staging / RECIPE_STATE_DIRNAME / "recipe_state.pt"
+        if recipe_state.is_file():
+            os.replace(recipe_state, folder / RECIPE_STATE_FNAME)
         if routing:
-            path = self._output_dir / f"epoch_{epoch}" / ROUTING_WEIGHTS_FNAME
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.detach().cpu().contiguous() for k, v in routing.items()}, path, metadata={"format": "pt"})
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in routing.items()},
+                folder / ROUTING_WEIGHTS_FNAME,
+                metadata={"format": "pt", **{k: str(v) for k, v in identity.items()}},
+            )
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        manifest = {
+            **identity,
+            "epoch": epoch,
+            "routing": bool(routing),
+            "files": {str(p.relative_to(folder)): p.stat().st_size for p in files},
+        }
+        (folder / MANIFEST_FNAME).write_text(json.dumps(manifest, indent=2))
+        for path in (*files, folder / MANIFEST_FNAME, folder):
+            _fsync(path)
+
+        final = self._output_dir / f"epoch_{epoch}"
+        replaced = self._output_dir / f"{_REPLACED}epoch_{epoch}"
+        if final.exists():
+            os.replace(final, replaced)
+        os.replace(folder, final)
+        _fsync(self._output_dir)
+        shutil.rmtree(replaced, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)

@@ -38,6 +38,10 @@ class BetaSchedule:
         for name in ("beta_ce_start", "beta_ce_end", "beta_cu_start", "beta_cu_end"):
             if not getattr(self, name) > 0:
                 problems.append(f"beta_schedule.{name} must be > 0, got {getattr(self, name)!r}")
+        for kind in ("ce", "cu"):
+            start, end = getattr(self, f"beta_{kind}_start"), getattr(self, f"beta_{kind}_end")
+            if end < start:  # β anneals the gate from soft to hard (spec §6); falling β is a swapped pair
+                problems.append(f"beta_schedule.beta_{kind}_end ({end}) is below beta_{kind}_start ({start})")
         if self.warmup_steps < 0:
             problems.append(f"beta_schedule.warmup_steps must be ≥ 0, got {self.warmup_steps}")
         if problems:
