@@ -18,6 +18,8 @@ MOD_ROUTING = dict(
     gate="scaled",
     always_run_first_token=False,
     allow_noncausal_student_topk=False,
+    skipped_tokens_write_kv=False,
+    skip_update="none",
 )
 SURPRISE_ROUTING = dict(
     MOD_ROUTING,
@@ -29,7 +31,15 @@ SURPRISE_ROUTING = dict(
     teacher_selection="topk",
     gate_threshold=None,
 )
-ROUTING = {"dense": {}, "mod": MOD_ROUTING, "sdt": SURPRISE_ROUTING, "stt": SURPRISE_ROUTING}
+RANDOM_ROUTING = dict(routed_layers="every_other", capacity=0.5, always_run_first_token=False, skipped_tokens_write_kv=False)
+ROUTING = {
+    "dense": {},
+    "layerdrop": dict(dropped_layers=[1, 2]),
+    "random": RANDOM_ROUTING,
+    "mod": MOD_ROUTING,
+    "sdt": SURPRISE_ROUTING,
+    "stt": SURPRISE_ROUTING,
+}
 ROUTED_VARIANTS = ("mod", "sdt", "stt")
 
 
@@ -37,11 +47,16 @@ def routing_kwargs(variant: str, **overrides):
     return {**ROUTING[variant], **overrides}
 
 
+def tiny_architecture():
+    from torchtune_dtf.models.qwen2_5._model_builders import QWEN2_5_SHAPES
+
+    return {**QWEN2_5_SHAPES["tiny"], "vocab_size": VOCAB}
+
+
 def build_tiny(variant: str, seed: int = 0, **overrides):
     """Tiny model of ``variant`` with fixed random weights (same backbone for the same seed)."""
     torch.manual_seed(seed)
-    builder = getattr(qwen2_5, f"{variant}_qwen2_5_tiny")
-    model = builder(vocab_size=VOCAB, **routing_kwargs(variant, **overrides))
+    model = qwen2_5.routed_qwen2(variant, **tiny_architecture(), **routing_kwargs(variant, **overrides))
     # Backbone weights from a dense model with the same seed, so every variant shares them.
     torch.manual_seed(seed)
     dense = qwen2_5.dense_qwen2_5_tiny(vocab_size=VOCAB)

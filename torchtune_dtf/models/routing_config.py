@@ -5,11 +5,14 @@ There are no defaults in code: a builder receives every routing hyperparameter f
 is built.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-VARIANTS = ("dense", "mod", "sdt", "stt")
+VARIANTS = ("dense", "layerdrop", "random", "mod", "sdt", "stt")
+#: Variants whose layers take no routing decision (the recipe trains them like the dense model).
+STATIC_VARIANTS = ("dense", "layerdrop")
+SKIP_UPDATES = ("none", "predicted")
 
 #: Keys every routed variant needs.
 COMMON_KEYS = (
@@ -23,6 +26,8 @@ COMMON_KEYS = (
     "gate",
     "always_run_first_token",
     "allow_noncausal_student_topk",
+    "skipped_tokens_write_kv",
+    "skip_update",
 )
 #: Named placements of ``routed_layers`` (a list of indices is the alternative).
 PLACEMENTS = {
@@ -35,8 +40,14 @@ PLACEMENTS = {
 #: Extra keys of the surprise-routed variants (SDT, STT).
 SURPRISE_KEYS = ("prior_factor", "ma_window", "o_ce_init", "m_cu_init", "teacher_selection", "gate_threshold")
 
+#: Random routing (a baseline): the same budget and execution as the routed variants, no router.
+RANDOM_KEYS = ("routed_layers", "capacity", "always_run_first_token", "skipped_tokens_write_kv")
+
 REQUIRED_KEYS = {
     "dense": (),
+    # Static layer dropping (a baseline): the listed layers run on no token (their weights stay loaded).
+    "layerdrop": ("dropped_layers",),
+    "random": RANDOM_KEYS,
     "mod": COMMON_KEYS,
     "sdt": COMMON_KEYS + SURPRISE_KEYS,
     "stt": COMMON_KEYS + SURPRISE_KEYS,
@@ -67,6 +78,9 @@ class RoutingSpec:
     gate: Optional[str] = None
     always_run_first_token: Optional[bool] = None
     allow_noncausal_student_topk: Optional[bool] = None
+    skipped_tokens_write_kv: Optional[bool] = None
+    skip_update: Optional[str] = None
+    dropped_layers: List[int] = field(default_factory=list)
 
 
 def _is_real(value: Any) -> bool:
@@ -77,20 +91,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-def _resolve_layers(value: Union[str, Sequence[int]], num_layers: int, problems: List[str]) -> List[int]:
+def _resolve_layers(
+    value: Union[str, Sequence[int]], num_layers: int, problems: List[str], key: str = "routed_layers"
+) -> List[int]:
     if isinstance(value, str) and value in PLACEMENTS:
         return PLACEMENTS[value](num_layers)
     if isinstance(value, str) or not isinstance(value, Sequence) or not all(_is_int(i) for i in value):
-        problems.append(
-            f"routed_layers must be one of {sorted(PLACEMENTS)} or a list of layer indices, got {value!r}"
-        )
+        problems.append(f"{key} must be one of {sorted(PLACEMENTS)} or a list of layer indices, got {value!r}")
         return []
     layers = sorted(int(i) for i in value)
     if len(set(layers)) != len(layers):
-        problems.append(f"routed_layers has duplicates: {list(value)}")
+        problems.append(f"{key} has duplicates: {list(value)}")
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad:
-        problems.append(f"routed_layers {bad} are outside [0, {num_layers})")
+        problems.append(f"{key} {bad} are outside [0, {num_layers})")
     return layers
 
 
@@ -118,10 +132,17 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
     unknown = sorted(set(routing) - set(required))
     if unknown:
         problems.append(f"unknown routing hyperparameter(s) for variant '{variant}': {', '.join(unknown)}")
-    if variant == "dense":
+    if variant in STATIC_VARIANTS:
+        dropped = []
+        if variant == "layerdrop" and "dropped_layers" in routing:
+            dropped = _resolve_layers(routing["dropped_layers"], num_layers, problems, key="dropped_layers")
+            if not dropped and not problems:
+                problems.append("dropped_layers resolves to no layer; use variant 'dense' for a dense model")
+            if len(dropped) == num_layers:
+                problems.append("dropped_layers drops every layer")
         if problems:
             raise ValueError("Invalid routing configuration:\n  - " + "\n  - ".join(problems))
-        return RoutingSpec(variant=variant, routed_layers=[], capacity=[])
+        return RoutingSpec(variant=variant, routed_layers=[], capacity=[], dropped_layers=dropped)
 
     values: Dict[str, Any] = {key: routing.get(key) for key in required}
     layers = _resolve_layers(values["routed_layers"], num_layers, problems) if "routed_layers" in routing else []
@@ -145,27 +166,35 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
         else:
             capacities = [float(c) for c in as_list]
 
-    mode = values["student_routing_mode"]
+    mode = values.get("student_routing_mode")
     if "student_routing_mode" in routing and mode not in ("threshold", "topk"):
         problems.append(f"unknown student_routing_mode {mode!r}; expected 'threshold' or 'topk'")
-    threshold = values["student_threshold"]
+    threshold = values.get("student_threshold")
     if mode == "threshold" and "student_threshold" in routing and not (_is_real(threshold) and 0 <= threshold < 1):
         problems.append(f"student_threshold must be in [0, 1) for threshold routing, got {threshold!r}")
-    if "causal_router_input" in routing and values["causal_router_input"] not in ("current", "current_previous"):
+    if "causal_router_input" in routing and routing["causal_router_input"] not in ("current", "current_previous"):
         problems.append(
-            f"unknown causal_router_input {values['causal_router_input']!r}; expected 'current' or 'current_previous'"
+            f"unknown causal_router_input {routing['causal_router_input']!r}; expected 'current' or 'current_previous'"
         )
-    hidden = values["causal_router_hidden_dim"]
+    hidden = values.get("causal_router_hidden_dim")
     if "causal_router_hidden_dim" in routing and not (_is_int(hidden) and hidden > 0):
         problems.append(f"causal_router_hidden_dim must be a positive integer, got {hidden!r}")
-    std = values["routing_init_std"]
+    std = values.get("routing_init_std")
     if "routing_init_std" in routing and not (_is_real(std) and std > 0):
         problems.append(f"routing_init_std must be positive, got {std!r}")
-    if "gate" in routing and values["gate"] not in ("scaled", "straight_through"):
-        problems.append(f"unknown gate {values['gate']!r}; expected 'scaled' or 'straight_through'")
-    for key in ("always_run_first_token", "allow_noncausal_student_topk"):
-        if key in routing and not isinstance(values[key], bool):
-            problems.append(f"{key} must be True or False, got {values[key]!r}")
+    if "gate" in routing and routing["gate"] not in ("scaled", "straight_through"):
+        problems.append(f"unknown gate {routing['gate']!r}; expected 'scaled' or 'straight_through'")
+    for key in ("always_run_first_token", "allow_noncausal_student_topk", "skipped_tokens_write_kv"):
+        if key in routing and not isinstance(routing[key], bool):
+            problems.append(f"{key} must be True or False, got {routing[key]!r}")
+    if "skip_update" in routing:
+        if routing["skip_update"] not in SKIP_UPDATES:
+            problems.append(f"unknown skip_update {routing['skip_update']!r}; expected one of {SKIP_UPDATES}")
+        elif routing["skip_update"] == "predicted" and variant != "stt":
+            problems.append(
+                f"skip_update: predicted needs a forecast of the block's own update (the STT transition network); "
+                f"variant '{variant}' has none (SDT's PriorFFN predicts the Decision layer's update), use 'none'"
+            )
     if layers == [] and "routed_layers" in routing and not problems:
         problems.append(f"routed_layers resolves to no layer for variant '{variant}'; use variant 'dense' for a dense model")
 

@@ -1,7 +1,9 @@
 from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
 from torchtune_dtf.modules.layers import (
     ROUTING_MODULE_NAMES,
+    DroppedLayer,
     MoDLayer,
+    RandomRoutedLayer,
     RoutedSelfAttentionLayer,
     SDTDecisionLayer,
     SDTDynamicLayer,

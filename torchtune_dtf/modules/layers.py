@@ -35,6 +35,7 @@ ROUTING_MODULE_NAMES = ("mod_router", "causal_router", "transition", "prior_ffn"
 STUDENT_ROUTING_MODES = ("threshold", "topk")
 TEACHER_SELECTIONS = ("topk", "threshold")
 GATE_MODES = ("scaled", "straight_through")
+SKIP_UPDATES = ("none", "predicted")
 
 
 def token_positions(
@@ -95,6 +96,10 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         allow_noncausal_student_topk (bool): permit student top-k on a whole sequence without a cache.
             That selection is not causal (a token's fate depends on later tokens), so by default it is an
             error; set True only for an explicit analysis, never for evaluation.
+        skipped_tokens_write_kv (bool): context-preserving attention: skipped tokens still compute and
+            store their K/V, so selected tokens see the whole context (see :func:`routed_block_forward`).
+        skip_update (str): what a skipped token receives: ``"none"`` (it passes unchanged, the papers) or
+            ``"predicted"``, the variant's own forecast of the block's update (:meth:`skip_forecast`).
     """
 
     def __init__(
@@ -106,14 +111,18 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         mlp_norm: nn.Module,
         layer_idx: int,
         capacity: float,
-        causal_router: CausalRouter,
+        causal_router: Optional[CausalRouter],
         student_routing_mode: str,
         student_threshold: Optional[float],
         gate: str,
         always_run_first_token: bool,
         allow_noncausal_student_topk: bool,
+        skipped_tokens_write_kv: bool,
+        skip_update: str,
     ) -> None:
         super().__init__(attn=attn, mlp=mlp, sa_norm=sa_norm, mlp_norm=mlp_norm)
+        if skip_update not in SKIP_UPDATES:
+            raise ValueError(f"Unknown skip_update {skip_update!r}; expected one of {SKIP_UPDATES}")
         if student_routing_mode not in STUDENT_ROUTING_MODES:
             raise ValueError(f"Unknown student_routing_mode {student_routing_mode!r}")
         if gate not in GATE_MODES:
@@ -126,6 +135,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         self.gate = gate
         self.always_run_first_token = always_run_first_token
         self.allow_noncausal_student_topk = allow_noncausal_student_topk
+        self.skipped_tokens_write_kv = skipped_tokens_write_kv
+        self.skip_update = skip_update
         # σ(r̃) > τ compared as r̃ > logit(τ) on fp32 logits: σ rounds to 1.0 (or 0.0) long before r̃ does.
         self._student_logit_threshold = None
         if student_routing_mode == "threshold":
@@ -148,7 +159,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             max_seq_len=decoder_max_seq_len,
             embed_dim=attn.embed_dim,
             dtype=dtype,
-            initial_entries=max(1, math.ceil(self.capacity * decoder_max_seq_len)),
+            initial_entries=(
+                decoder_max_seq_len if self.skipped_tokens_write_kv else max(1, math.ceil(self.capacity * decoder_max_seq_len))
+            ),
         )
         attn.cache_enabled = True
 
@@ -165,12 +178,12 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         """Causal router logits ``[b, s]`` (fp32) from detached inputs (the student never trains the backbone)."""
         return self.causal_router(x.detach(), starts, None if cache is None else cache.last_input)
 
-    def topk_by_sequence(self, scores: torch.Tensor, starts: torch.Tensor) -> Selection:
-        """Per-sequence top-k of ``scores [b, s]``; with ``always_run_first_token`` each sequence's first
-        token is taken first, inside the budget."""
+    def topk_by_sequence(self, scores: torch.Tensor, starts: torch.Tensor, capacity: Optional[float] = None) -> Selection:
+        """Per-sequence top-k of ``scores [b, s]`` at ``capacity`` (the layer's γ when None); with
+        ``always_run_first_token`` each sequence's first token is taken first, inside the budget."""
         if self.always_run_first_token:
             scores = scores.masked_fill(starts, math.inf)
-        return segment_topk_selection(scores, starts, self.capacity)
+        return segment_topk_selection(scores, starts, self.capacity if capacity is None else capacity)
 
     def by_threshold(self, selected: torch.Tensor, starts: torch.Tensor) -> Selection:
         return mask_selection(selected | starts if self.always_run_first_token else selected)
@@ -208,6 +221,11 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         """Gate applied at inference; None (= 1) unless the variant's gate is causal and scaled."""
         return None
 
+    def skip_forecast(self, previous_outputs: torch.Tensor) -> torch.Tensor:
+        """The forecast update ``[b, s, d]`` a skipped token receives with ``skip_update: predicted``, from
+        the previous token's routed output at this layer (before its own forecast). Variant-specific."""
+        raise NotImplementedError(f"{type(self).__name__} has no forecast of its update for skip_update='predicted'")
+
     def training_gate(self, gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The gate the routed pass applies in training, per ``gate`` (see the class docstring)."""
         if gate is None or self.gate == "scaled":
@@ -238,6 +256,12 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         """
         routing = routing if routing is not None else RoutingContext(mode="student")
         batch, seq_len, _ = x.shape
+        if routing.mode == "dense":
+            if self._active_cache() is not None:
+                raise RuntimeError("Dense routing mode runs the stock block, which cannot use the selective KV cache")
+            out = _dense_forward(self, x, mask, input_pos)
+            routing.layers[self.layer_idx] = LayerRouting(selected_mask=torch.ones(batch, seq_len, dtype=torch.bool, device=x.device))
+            return out
         if mask is not None:
             if not isinstance(mask, torch.Tensor):
                 raise TypeError(
@@ -260,7 +284,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 x, mask=mask, input_pos=input_pos, positions=positions, starts=starts, routing=routing, record=record
             )
             record.teacher_mask = selection.mask
-            record.causal_loss = F.binary_cross_entropy_with_logits(logits, selection.mask.float())
+            if self.causal_router is not None:
+                record.causal_loss = F.binary_cross_entropy_with_logits(logits, selection.mask.float())
             with torch.no_grad():  # what the student runs, for agreement metrics and scheduled sampling
                 student = self.student_selection(logits, starts, None, analysis=True)
             record.student_mask = student.mask
@@ -279,7 +304,16 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             positions=positions,
             mask=mask,
             cache=cache,
+            skipped_tokens_write_kv=self.skipped_tokens_write_kv,
         )
+        if self.skip_update == "predicted":
+            # Token t's forecast reads token t−1's output without its own forecast: one parallel pass, causal.
+            previous = previous_token_states(out, starts, None if cache is None else cache.last_output)
+            forecast = self.skip_forecast(previous)
+            base_out = out
+            out = out + forecast * (~selection.mask)[..., None].to(out.dtype)
+            if cache is not None:
+                cache.last_output.copy_(base_out[:, -1].detach())
         if cache is not None:
             cache.last_input.copy_(x[:, -1].detach())
             cache.seen += seq_len
@@ -303,11 +337,54 @@ class MoDLayer(RoutedSelfAttentionLayer):
     def teacher_route(self, x, *, mask, input_pos, positions, starts, routing, record):
         scores = self.mod_router(x)
         record.router_logits = scores
-        return self.topk_by_sequence(scores, starts), torch.sigmoid(scores)
+        return self.topk_by_sequence(scores, starts, routing.capacity(self.capacity)), torch.sigmoid(scores)
 
     def student_gate(self, x):
         # The MoD router is per-token, hence causal: its gate is available at inference too.
         return torch.sigmoid(self.mod_router(x)) if self.gate == "scaled" else None
+
+
+class RandomRoutedLayer(RoutedSelfAttentionLayer):
+    """Random routing, a baseline at the routed variants' budget: no router and no gate.
+
+    Each forward draws u ~ U(0, 1) per token (torch's global generator, so a seeded run is reproducible).
+    In training the teacher runs the per-sequence top-⌊γ·n⌋ of u — exactly the routed variants' budget —
+    and inference runs the causal rule u > 1 − γ, which executes γ of the tokens in expectation.
+
+    Args:
+        **kwargs: see :class:`RoutedSelfAttentionLayer` (without the student and gate arguments).
+    """
+
+    def __init__(self, attn, mlp, *, capacity: float, **kwargs) -> None:
+        super().__init__(
+            attn,
+            mlp,
+            capacity=capacity,
+            causal_router=None,
+            student_routing_mode="threshold",
+            student_threshold=1.0 - capacity,
+            gate="scaled",  # no gate exists; the update is applied at 1
+            allow_noncausal_student_topk=False,
+            skip_update="none",
+            **kwargs,
+        )
+
+    def student_logits(self, x, starts, cache):
+        # logit(u) for u ~ U(0, 1): σ(logit) > 1 − γ ⟺ u > 1 − γ, and top-k of it is a random top-k.
+        u = torch.rand(x.shape[:2], device=x.device, dtype=torch.float32).clamp(min=1e-12, max=1 - 1e-7)
+        return torch.log(u) - torch.log1p(-u)
+
+    def teacher_route(self, x, *, mask, input_pos, positions, starts, routing, record):
+        return self.topk_by_sequence(record.student_logits, starts, routing.capacity(self.capacity)), None
+
+
+class DroppedLayer(TransformerSelfAttentionLayer):
+    """A layer removed by static layer dropping (a baseline): it runs on no token.
+
+    Its weights stay (same keys, so the pretrained checkpoint loads 1:1) but take no part in the forward."""
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return x
 
 
 class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):
@@ -349,7 +426,7 @@ class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):
         surprise = self.predictive_router(d_st, d_ch, beta_ce, beta_cu, starts)
         # Rank by the non-saturating score, never by g itself (DESIGN R1); g stays the gate.
         if self.teacher_selection == "topk":
-            selection = self.topk_by_sequence(surprise.score, starts)
+            selection = self.topk_by_sequence(surprise.score, starts, routing.capacity(self.capacity))
         else:
             selection = self.by_threshold(surprise.score >= self._gate_threshold_score, starts)
         record.score = surprise.score
@@ -387,6 +464,10 @@ class STTLayer(_SurpriseRoutedLayer):
             delta = dense_out - x
         predicted = self.transition(previous_token_states(dense_out, starts))
         return delta, predicted
+
+    def skip_forecast(self, previous_outputs: torch.Tensor) -> torch.Tensor:
+        # The TPN's predicted change Δx̂_t = TPN(x_{t−1}^(l)): the "expected change" of the surprise story.
+        return self.transition(previous_outputs)
 
 
 class SDTDynamicLayer(_SurpriseRoutedLayer):

@@ -7,7 +7,8 @@ This is the one executor every variant shares (DESIGN §9): the variants differ 
 2. runs pre-norm attention where a selected token attends only to selected tokens of the same row at or
    before it (skipped tokens are neither keys nor values here; rows never see each other — DESIGN §3.7);
    with a :class:`SelectiveKVCache`, the gathered tokens' K/V are appended to the row's cache first and
-   the queries attend over the row's stored entries;
+   the queries attend over the row's stored entries. With ``skipped_tokens_write_kv`` (context-preserving
+   attention) every token computes and stores its K/V and the selected queries attend over all of them;
 3. runs the MLP, and forms the block's update Δ = attn_out + mlp_out;
 4. scales Δ by the gate (attention and MLP together, DESIGN §3.5) and adds it back at the selected
    positions: x_t ← x_t + g_t·Δ_t; skipped tokens pass unchanged.
@@ -26,22 +27,27 @@ from torchtune_dtf.modules.selection import Selection, gather_tokens, scatter_up
 from torchtune_dtf.modules.selective_kv_cache import SelectiveKVCache
 
 
-def _project_heads(layer: TransformerSelfAttentionLayer, h: torch.Tensor, positions: torch.Tensor):
-    """q ``[b, n_h, k, h_d]``, k and v ``[b, n_kv, k, h_d]`` for normed inputs ``h [b, k, d]``."""
+def _project_queries(layer: TransformerSelfAttentionLayer, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q ``[b, n_h, k, h_d]`` (RoPE and q-norm applied) for normed inputs ``h [b, k, d]``."""
     attn = layer.attn
     b, k, _ = h.shape
     q = attn.q_proj(h).view(b, k, attn.num_heads, attn.head_dim)
+    if attn.pos_embeddings is not None:
+        q = attn.pos_embeddings(q, input_pos=positions)
+    q = q.transpose(1, 2)
+    return attn.q_norm(q) if attn.q_norm is not None else q
+
+
+def _project_keys_values(layer: TransformerSelfAttentionLayer, h: torch.Tensor, positions: torch.Tensor):
+    """k and v ``[b, n_kv, k, h_d]`` (RoPE and k-norm on k) for normed inputs ``h [b, k, d]``."""
+    attn = layer.attn
+    b, k, _ = h.shape
     key = attn.k_proj(h).view(b, k, attn.num_kv_heads, attn.head_dim)
     value = attn.v_proj(h).view(b, k, attn.num_kv_heads, attn.head_dim)
     if attn.pos_embeddings is not None:
-        q = attn.pos_embeddings(q, input_pos=positions)
         key = attn.pos_embeddings(key, input_pos=positions)
-    q, key, value = q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if attn.q_norm is not None:
-        q = attn.q_norm(q)
-    if attn.k_norm is not None:
-        key = attn.k_norm(key)
-    return q, key, value
+    key, value = key.transpose(1, 2), value.transpose(1, 2)
+    return (attn.k_norm(key) if attn.k_norm is not None else key), value
 
 
 def _attention_mask(
@@ -83,6 +89,7 @@ def routed_block_forward(
     positions: torch.Tensor,
     mask: Optional[torch.Tensor] = None,
     cache: Optional[SelectiveKVCache] = None,
+    skipped_tokens_write_kv: bool = False,
 ) -> torch.Tensor:
     """Apply ``layer``'s block to the selected tokens of ``x`` only.
 
@@ -96,11 +103,17 @@ def routed_block_forward(
             mask in torchtune's convention; None means causal.
         cache (Optional[SelectiveKVCache]): per-row cache; when given, selected tokens' K/V are stored and
             queries attend over the stored entries.
+        skipped_tokens_write_kv (bool): context-preserving attention: every token, run or skipped, computes
+            its k/v projections (2·d·2·n_kv·h_d FLOPs, no MLP, no query) and is a key/value for the
+            selected queries (and is stored in the cache); only the selected tokens get an update. The
+            layer's K/V memory is then the dense layer's.
 
     Returns:
         torch.Tensor: ``[b, s, d]`` layer output.
     """
     batch = x.shape[0]
+    if skipped_tokens_write_kv:
+        return _forward_with_all_keys(layer, x, selection, gate, positions=positions, mask=mask, cache=cache)
     if selection.num_selected == 0:
         return x
     rows = None
@@ -122,7 +135,10 @@ def routed_block_forward(
     valid = selection.valid
 
     xs = gather_tokens(x_rows, query_index)
-    q, key, value = _project_heads(layer, layer.sa_norm(xs), gather_tokens(positions, query_index))
+    h = layer.sa_norm(xs)
+    query_positions = gather_tokens(positions, query_index)
+    q = _project_queries(layer, h, query_positions)
+    key, value = _project_keys_values(layer, h, query_positions)
 
     attn_mask, is_causal = None, False
     if cache is not None:
@@ -136,6 +152,58 @@ def routed_block_forward(
     else:
         attn_mask = _attention_mask(mask, query_index, query_index, query_index, valid)
 
+    gate_rows = gate if (rows is None or gate is None) else gate[rows]
+    out_rows = _attend_and_update(layer, x_rows, xs, q, key, value, selection, gate_rows, attn_mask, is_causal)
+    if rows is None:
+        return out_rows
+    return x.index_copy(0, rows, out_rows)
+
+
+def _forward_with_all_keys(
+    layer: TransformerSelfAttentionLayer,
+    x: torch.Tensor,
+    selection: Selection,
+    gate: Optional[torch.Tensor],
+    *,
+    positions: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    cache: Optional[SelectiveKVCache],
+) -> torch.Tensor:
+    """:func:`routed_block_forward` with ``skipped_tokens_write_kv``: keys/values from every token of
+    every row, queries, MLP and update from the selected tokens only."""
+    batch, seq_len, _ = x.shape
+    h_all = layer.sa_norm(x)
+    key, value = _project_keys_values(layer, h_all, positions)
+    slots = torch.arange(seq_len, device=x.device).expand(batch, seq_len)
+    key_valid = None
+    if cache is not None:
+        rows = torch.arange(batch, device=x.device)
+        slots = cache.seen + slots
+        cache.append(rows, key, value, slots, torch.ones_like(slots, dtype=torch.bool))
+        key, value, slots, key_valid = cache.entries(rows)
+    if selection.num_selected == 0:
+        return x
+    query_index = selection.positions
+    xs = gather_tokens(x, query_index)
+    q = _project_queries(layer, gather_tokens(h_all, query_index), gather_tokens(positions, query_index))
+    query_slots = query_index if cache is None else cache.seen + query_index
+    attn_mask = _attention_mask(mask, query_index, query_slots, slots, key_valid)
+    return _attend_and_update(layer, x, xs, q, key, value, selection, gate, attn_mask, False)
+
+
+def _attend_and_update(
+    layer: TransformerSelfAttentionLayer,
+    x: torch.Tensor,
+    xs: torch.Tensor,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selection: Selection,
+    gate: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],
+    is_causal: bool,
+) -> torch.Tensor:
+    """Attention of the selected queries, the MLP, and the gated update added back into ``x [b, s, d]``."""
     attn = layer.attn
     out = F.scaled_dot_product_attention(
         q,
@@ -151,10 +219,5 @@ def routed_block_forward(
     h = xs + attn_update
     update = attn_update + layer.mlp_scale(layer.mlp(layer.mlp_norm(h)))
     if gate is not None:
-        gate_rows = gate if rows is None else gate[rows]
-        update = update * gather_tokens(gate_rows, query_index)[..., None].to(update.dtype)
-
-    out_rows = scatter_updates(x_rows, selection, update)
-    if rows is None:
-        return out_rows
-    return x.index_copy(0, rows, out_rows)
+        update = update * gather_tokens(gate, selection.positions)[..., None].to(update.dtype)
+    return scatter_updates(x, selection, update)

@@ -10,7 +10,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-ROUTING_MODES = ("teacher", "student")
+ROUTING_MODES = ("teacher", "student", "dense")
 EXECUTE_CHOICES = ("teacher", "student")
 
 
@@ -60,8 +60,10 @@ class LayerRouting:
 class RoutingContext:
     """
     Args:
-        mode (str): ``"teacher"`` (training: non-causal teacher selection, auxiliary losses) or
-            ``"student"`` (inference: causal router decides, configured threshold/top-k).
+        mode (str): ``"teacher"`` (training: non-causal teacher selection, auxiliary losses),
+            ``"student"`` (inference: causal router decides, configured threshold/top-k), or ``"dense"``
+            (every routed layer runs its whole block on every token, as the pretrained model did: the
+            distillation teacher and the dense reference of analyses).
         beta_ce (Optional[float]): inverse temperature of CE for this step (teacher mode, SDT/STT).
         beta_cu (Optional[float]): inverse temperature of CU for this step (teacher mode, SDT/STT).
         apply_gate (bool): scale selected tokens' updates by the gate. Turning it off is an analysis
@@ -69,6 +71,8 @@ class RoutingContext:
         execute (str): teacher mode only: whose mask the routed pass runs. ``"teacher"`` (the papers),
             or ``"student"``: the causal router's own selection, as inference will run it (scheduled
             sampling, DESIGN R2); the teacher still decides the targets of the auxiliary losses.
+        capacity_progress (float): teacher mode only, the capacity curriculum: a routed layer of capacity
+            γ keeps γ' = 1 − p·(1 − γ) of each sequence, from every token (p = 0) to γ (p = 1).
     """
 
     mode: str
@@ -76,6 +80,7 @@ class RoutingContext:
     beta_cu: Optional[float] = None
     apply_gate: bool = True
     execute: str = "teacher"
+    capacity_progress: float = 1.0
     layers: Dict[int, LayerRouting] = field(default_factory=dict)
     # SDT: residuals a Decision layer hands to the Dynamic layer that follows, keyed by the Dynamic
     # layer's index (kept for the whole forward so activation-checkpoint recomputation sees them too).
@@ -86,6 +91,12 @@ class RoutingContext:
             raise ValueError(f"Unknown routing mode {self.mode!r}; expected one of {ROUTING_MODES}")
         if self.execute not in EXECUTE_CHOICES:
             raise ValueError(f"Unknown execute {self.execute!r}; expected one of {EXECUTE_CHOICES}")
+        if not 0.0 <= self.capacity_progress <= 1.0:
+            raise ValueError(f"capacity_progress must be in [0, 1], got {self.capacity_progress!r}")
+
+    def capacity(self, configured: float) -> float:
+        """The teacher's capacity this forward for a layer configured with ``configured`` (curriculum)."""
+        return 1.0 - self.capacity_progress * (1.0 - configured)
 
     def betas(self) -> Tuple[float, float]:
         if self.beta_ce is None or self.beta_cu is None:

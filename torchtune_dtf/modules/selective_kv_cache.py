@@ -41,6 +41,8 @@ class SelectiveKVCache(nn.Module):
         fill: ``[b]`` number of stored entries per row.
         seen: ``[]`` number of layout slots consumed so far (tokens seen per row, run or skipped).
         last_input: ``[b, d]`` the previous token's layer input, per row.
+        last_output: ``[b, d]`` the previous token's routed output before any skip-path forecast, per row
+            (the TPN's input when ``skip_update: predicted``).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class SelectiveKVCache(nn.Module):
         self.register_buffer("fill", torch.zeros(batch_size, dtype=torch.long), persistent=False)
         self.register_buffer("seen", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("last_input", torch.zeros(batch_size, embed_dim, dtype=dtype), persistent=False)
+        self.register_buffer("last_output", torch.zeros(batch_size, embed_dim, dtype=dtype), persistent=False)
 
     def reset(self) -> None:
         """Empty the cache without reallocating it."""
@@ -77,6 +80,7 @@ class SelectiveKVCache(nn.Module):
         self.fill.zero_()
         self.seen.zero_()
         self.last_input.zero_()
+        self.last_output.zero_()
 
     @property
     def allocated_entries(self) -> int:

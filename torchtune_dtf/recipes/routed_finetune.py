@@ -10,11 +10,14 @@ Every optimizer step s the recipe
    The routed pass runs the teacher's selection, or on a scheduled share of steps the student's own
    (``scheduled_sampling``, DESIGN R2), so the backbone also trains on what inference executes;
 2. forms L = L_LM + λ_pred·L_pred + λ_causal·L_causal + λ_g_reg·L_g_reg, each auxiliary loss averaged over
-   tokens and then over routed layers (spec §4.8; paper §3.3.2);
+   tokens and then over routed layers (spec §4.8; paper §3.3.2), plus λ_distill·T²·KL(dense ‖ routed)
+   against a frozen dense copy of the starting weights when ``distillation.weight`` > 0; top-k teachers
+   keep γ' = 1 − p(s)·(1 − γ) of the tokens while the ``capacity_curriculum`` ramps p from 0 to 1;
 3. steps AdamW with separate learning rates for the backbone, the predictors (PriorFFN/TPN), the predictive
    router (o_ce, m_cu) and the routers (causal routers, MoD router).
 
-Single device or FSDP2 (torchrun), CPU or CUDA, fp32 or bf16, gradient accumulation and clipping,
+Variants: dense, the two baselines (``layerdrop``: layers removed; ``random``: random selection at the
+routed budget), MoD, SDT and STT. Single device or FSDP2 (torchrun), CPU or CUDA, fp32 or bf16, gradient accumulation and clipping,
 packed datasets (``packed: True``: block-causal mask, positions restarting per document, DESIGN R3),
 activation checkpointing and compile applied from outside the model (they cover routed layers because
 those are ``TransformerSelfAttentionLayer`` s). Periodic validation reports the held-out LM loss of the
@@ -49,13 +52,20 @@ from torchtune.modules.peft import get_adapter_params, get_merged_lora_ckpt, set
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from torchtune_dtf.models.routing_config import REQUIRED_KEYS as ROUTING_KEYS, STATIC_VARIANTS
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import RoutingContext
 from torchtune_dtf.training.checkpointer import RUN_ID_KEY, STEP_KEY, routed_adapter_state_dict
-from torchtune_dtf.training.routing_losses import auxiliary_losses, routing_metrics
+from torchtune_dtf.training.routing_losses import auxiliary_losses, distillation_loss, routing_metrics
 from torchtune_dtf.data.checks import check_local_text_files, check_text_column
 from torchtune_dtf.data.collate import padded_collate_packed_dense
-from torchtune_dtf.training.schedules import BetaSchedule, LossWeights, ScheduledSampling
+from torchtune_dtf.training.schedules import (
+    BetaSchedule,
+    CapacityCurriculum,
+    Distillation,
+    LossWeights,
+    ScheduledSampling,
+)
 
 log = utils.get_logger("INFO")
 
@@ -92,13 +102,15 @@ REQUIRED_KEYS = (
     "metric_logger",
     "log_every_n_steps",
     "output_dir",
+    "distillation",
 )
-ROUTED_KEYS = ("routing_loss_weights", "beta_schedule", "scheduled_sampling")
+ROUTED_KEYS = ("routing_loss_weights", "beta_schedule", "scheduled_sampling", "capacity_curriculum")
 #: Config entries a resumed run must share with its checkpoint: each changes what the rest of the run computes.
 RESUME_INVARIANT_KEYS = (
     "model", "tokenizer.max_seq_len", "dataset", "seed", "shuffle", "batch_size", "gradient_accumulation_steps",
     "clip_grad_norm", "optimizer", "learning_rates", "lr_scheduler", "loss", "freeze_base", "dtype",
-    "routing_loss_weights", "beta_schedule", "scheduled_sampling", "epochs", "max_steps_per_epoch",
+    "routing_loss_weights", "beta_schedule", "scheduled_sampling", "capacity_curriculum", "distillation",
+    "epochs", "max_steps_per_epoch",
 )
 #: What ``resume_from_checkpoint: extend`` may change: the length of the run.
 EXTENDABLE_KEYS = ("epochs", "max_steps_per_epoch")
@@ -109,15 +121,18 @@ def validate_recipe_config(cfg: DictConfig) -> None:
     """Fail before any work with one message naming every missing or misplaced key."""
     missing = [key for key in REQUIRED_KEYS if key not in cfg]
     variant = _variant_of(cfg.model) if "model" in cfg else None
-    if variant not in (None, "dense"):
+    sections = [("distillation", ("weight", "temperature"))]
+    if variant is not None and variant not in STATIC_VARIANTS:
         missing += [key for key in ROUTED_KEYS if key not in cfg]
-        for section, keys in (
+        sections += [
             ("routing_loss_weights", ("pred", "causal", "g_reg", "warmup_steps")),
             ("beta_schedule", ("type", "beta_ce_start", "beta_ce_end", "beta_cu_start", "beta_cu_end", "warmup_steps")),
             ("scheduled_sampling", ("share_start", "share_end", "ramp_steps")),
-        ):
-            if section in cfg:
-                missing += [f"{section}.{key}" for key in keys if key not in cfg[section]]
+            ("capacity_curriculum", ("ramp_steps",)),
+        ]
+    for section, keys in sections:
+        if section in cfg:
+            missing += [f"{section}.{key}" for key in keys if key not in cfg[section]]
     if "learning_rates" in cfg:
         missing += [f"learning_rates.{g}" for g in ("backbone", *PARAM_GROUPS) if g not in cfg.learning_rates]
     if "validation" in cfg:
@@ -175,6 +190,23 @@ def resume_fingerprint(cfg: DictConfig, world_size: int) -> Dict[str, Any]:
     return flat
 
 
+def dense_model_config(cfg_model: DictConfig) -> DictConfig:
+    """The model config of the dense model with the same architecture (and LoRA settings): the routing
+    keys removed, ``variant: dense`` (component builders) or the ``dense_`` builder of the same size."""
+    variant = _variant_of(cfg_model)
+    dense = OmegaConf.to_container(cfg_model, resolve=True)
+    for key in ROUTING_KEYS[variant]:
+        dense.pop(key, None)
+    if "variant" in dense:
+        dense["variant"] = "dense"
+    else:
+        module, builder = dense["_component_"].rsplit(".", 1)
+        lora = builder.startswith("lora_")
+        size = builder.removeprefix("lora_").split("_", 1)[1]
+        dense["_component_"] = f"{module}.{'lora_' if lora else ''}dense_{size}"
+    return OmegaConf.create(dense)
+
+
 def _variant_of(cfg_model: DictConfig) -> str:
     """Variant named by the model config: ``variant:`` for the component builders, else the builder name
     (``stt_qwen2_5_0_5b``, ``lora_sdt_qwen2_5_tiny``…)."""
@@ -218,6 +250,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self._is_rank_zero = self.rank == 0
         self._distributed = self.world_size > 1
         self._variant = _variant_of(cfg.model)
+        # Dense and static layer dropping take no routing decision: no routing context, losses or schedules.
+        self._routed = self._variant not in STATIC_VARIANTS
         self._is_lora = cfg.model._component_.rsplit(".", 1)[-1].startswith("lora_")
         if self._is_lora:
             self._lora_rank, self._lora_alpha = cfg.model.lora_rank, cfg.model.lora_alpha
@@ -238,9 +272,16 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.epochs_run = 0
         self.global_step = 0
-        if self._variant != "dense":
+        self._distillation = Distillation(**cfg.distillation)
+        if self._distillation.enabled and self._distributed:
+            raise ValueError(
+                "distillation.weight > 0 keeps a full dense teacher on every rank, which this recipe does not shard; "
+                "distillation runs on a single device for now (set distillation.weight: 0 with torchrun)"
+            )
+        if self._routed:
             self._loss_weights = LossWeights(**cfg.routing_loss_weights)
             self._scheduled_sampling = ScheduledSampling(**cfg.scheduled_sampling)
+            self._curriculum = CapacityCurriculum(**cfg.capacity_curriculum)
             BetaSchedule(**cfg.beta_schedule, total_steps=1)  # its checks, before any work (total comes with the data)
 
     # ------------------------------------------------------------------------------------------ setup
@@ -258,6 +299,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         else:
             self._run_id = uuid.uuid4().hex  # recorded in output_dir when training starts (setup writes nothing)
         self._model = self._setup_model(cfg, checkpoint[training.MODEL_KEY])
+        self._dense_teacher = self._setup_dense_teacher(cfg) if self._distillation.enabled else None
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg)
         if self._resume_from_checkpoint:
@@ -268,6 +310,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self._loss_fn = config.instantiate(cfg.loss)
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+            if self._dense_teacher is not None:
+                self._dense_teacher.set_num_output_chunks(self._loss_fn.num_output_chunks)
         if cfg.compile:
             training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
 
@@ -298,7 +342,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self._lr_scheduler = config.instantiate(
             cfg.lr_scheduler, self._optimizer, num_training_steps=self._total_steps, last_epoch=self.global_step - 1
         )
-        if self._variant != "dense":
+        if self._routed:
             self._beta_schedule = BetaSchedule(**cfg.beta_schedule, total_steps=self._total_steps)
         self._ignore_labels = torch.full((cfg.batch_size, 1), self._loss_fn.ignore_index, device=self._device)
 
@@ -335,6 +379,25 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         if self._is_lora:
             self._check_only_adapters_missing(model, state_dict)
         return model
+
+    def _setup_dense_teacher(self, cfg: DictConfig) -> nn.Module:
+        """The distillation teacher: the *starting* weights (``checkpointer.checkpoint_dir``, also when this
+        run resumes) as a dense model of the same architecture, frozen. Every layer runs on every token —
+        dropped layers and routed layers alike — so its logits are the pretrained model's."""
+        teacher_cfg = dense_model_config(cfg.model)
+        fresh = config.instantiate(cfg.checkpointer, should_load_recipe_state=False)
+        state = fresh.load_checkpoint()[training.MODEL_KEY]
+        with training.set_default_dtype(self._dtype), torch.device(self._device):
+            teacher = config.instantiate(teacher_cfg)
+        expected = teacher.state_dict()
+        missing = [k for k in expected if k not in state and ".lora_" not in k]
+        if missing:
+            raise ValueError(f"The distillation teacher lacks weights in {cfg.checkpointer.checkpoint_dir}: {missing[:10]}")
+        teacher.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+        teacher.requires_grad_(False)
+        log.info(f"Distillation: frozen dense teacher from {cfg.checkpointer.checkpoint_dir} "
+                 f"(weight {self._distillation.weight}, temperature {self._distillation.temperature})")
+        return teacher.eval()
 
     def _check_student_is_causal(self) -> None:
         """Validation scores held-out text with the student; a whole-sequence top-k student is not causal
@@ -478,30 +541,46 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
 
     # -------------------------------------------------------------------------------------- training
     def _routing_context(self, mode: str, execute: str = "teacher") -> RoutingContext:
-        if self._variant == "dense":
+        if not self._routed:
             return RoutingContext(mode=mode)
         beta_ce, beta_cu = self._beta_schedule(self.global_step)
-        return RoutingContext(mode=mode, beta_ce=beta_ce, beta_cu=beta_cu, execute=execute)
+        progress = self._curriculum.progress(self.global_step) if mode == "teacher" else 1.0
+        return RoutingContext(mode=mode, beta_ce=beta_ce, beta_cu=beta_cu, execute=execute, capacity_progress=progress)
+
+    def _shifted_labels(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch["labels"]
+        return torch.hstack((labels[..., 1:], self._ignore_labels[: labels.shape[0]]))
+
+    def _logits(self, model: nn.Module, batch: Dict[str, torch.Tensor], routing: Optional[RoutingContext]):
+        # Packed batches carry the block-causal mask and per-document positions.
+        return model(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"), routing=routing)
 
     def _lm_loss(self, batch: Dict[str, torch.Tensor], routing: RoutingContext) -> torch.Tensor:
-        labels = batch["labels"]
-        labels = torch.hstack((labels[..., 1:], self._ignore_labels[: labels.shape[0]]))
-        # Packed batches carry the block-causal mask and per-document positions.
-        logits = self._model(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"), routing=routing)
-        return self._loss_fn(logits, labels)
+        return self._loss_fn(self._logits(self._model, batch, routing), self._shifted_labels(batch))
 
     def _executes_student(self) -> bool:
-        return self._variant != "dense" and self._scheduled_sampling.executes_student(self.global_step, self.seed)
+        return self._routed and self._scheduled_sampling.executes_student(self.global_step, self.seed)
 
     def _total_loss(self, batch: Dict[str, torch.Tensor]):
+        """L = L_LM [+ λ_pred·L_pred + λ_causal·L_causal + λ_g_reg·L_g_reg] [+ λ_distill·L_distill]."""
         routing = self._routing_context("teacher", "student" if self._executes_student() else "teacher")
-        lm_loss = self._lm_loss(batch, routing)
-        if self._variant == "dense":
-            return lm_loss, {"lm": lm_loss.detach()}, routing
-        aux = auxiliary_losses(routing)
-        w_pred, w_causal, w_g_reg = self._loss_weights.at(self.global_step)
-        loss = lm_loss + w_pred * aux["pred"] + w_causal * aux["causal"] + w_g_reg * aux["g_reg"]
-        parts = {"lm": lm_loss.detach(), **{k: v.detach() for k, v in aux.items()}}
+        labels = self._shifted_labels(batch)
+        logits = self._logits(self._model, batch, routing)
+        lm_loss = self._loss_fn(logits, labels)
+        loss, parts = lm_loss, {"lm": lm_loss.detach()}
+        if self._routed:
+            aux = auxiliary_losses(routing)
+            w_pred, w_causal, w_g_reg = self._loss_weights.at(self.global_step)
+            loss = loss + w_pred * aux["pred"] + w_causal * aux["causal"] + w_g_reg * aux["g_reg"]
+            parts.update({k: v.detach() for k, v in aux.items()})
+        if self._dense_teacher is not None:
+            with torch.no_grad():
+                teacher_logits = self._logits(self._dense_teacher, batch, None)
+            distill = distillation_loss(
+                logits, teacher_logits, labels, float(self._distillation.temperature), self._loss_fn.ignore_index
+            )
+            loss = loss + float(self._distillation.weight) * distill
+            parts["distill"] = distill.detach()
         return loss, parts, routing
 
     @torch.no_grad()
@@ -570,8 +649,9 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                         metrics[f"lr/{group['name']}"] = group["lr"]
                     if grad_norm is not None:
                         metrics["grad_norm"] = float(grad_norm)
-                    if self._variant != "dense":
+                    if self._routed:
                         metrics["beta_ce"], metrics["beta_cu"] = routing.beta_ce, routing.beta_cu
+                        metrics["capacity_progress"] = routing.capacity_progress
                         metrics["scheduled_sampling/share"] = self._scheduled_sampling.share(self.global_step - 1)
                         metrics["scheduled_sampling/executed_student"] = float(routing.execute == "student")
                         metrics.update(routing_metrics(routing))

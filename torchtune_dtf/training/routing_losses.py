@@ -74,3 +74,28 @@ def routing_metrics(routing: RoutingContext, prefix: str = "routing") -> Dict[st
             for name, value in _agreement(record.teacher_mask, record.student_mask).items():
                 metrics[f"{key}/agreement_{name}"] = value
     return metrics
+
+
+def distillation_loss(
+    student_logits, teacher_logits, labels: torch.Tensor, temperature: float, ignore_index: int
+) -> torch.Tensor:
+    """T²·KL(softmax(t/T) ‖ softmax(s/T)) averaged over target tokens (labels ≠ ``ignore_index``).
+
+    Args:
+        student_logits, teacher_logits: ``[b, s, v]`` tensors or lists of chunks along s (torchtune's
+            chunked output), chunked the same way.
+        labels (torch.Tensor): ``[b, s]`` next-token targets aligned with the logits.
+        temperature (float): T.
+        ignore_index (int): label of positions without a target.
+    """
+    if isinstance(student_logits, torch.Tensor):
+        student_logits, teacher_logits = [student_logits], [teacher_logits]
+    label_chunks = labels.chunk(len(student_logits), dim=1)
+    total = student_logits[0].new_zeros((), dtype=torch.float32)
+    for student, teacher, chunk_labels in zip(student_logits, teacher_logits, label_chunks):
+        log_p_student = torch.log_softmax(student.float() / temperature, dim=-1)
+        log_p_teacher = torch.log_softmax(teacher.float() / temperature, dim=-1)
+        per_token = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(-1)
+        total = total + (per_token * (chunk_labels != ignore_index)).sum()
+    count = (labels != ignore_index).sum().clamp(min=1)
+    return temperature**2 * total / count

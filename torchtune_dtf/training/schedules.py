@@ -129,3 +129,52 @@ class ScheduledSampling:
             return share >= 1
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
         return bool(torch.rand((), generator=generator) < share)
+
+
+@dataclass(frozen=True)
+class CapacityCurriculum:
+    """Teacher capacity curriculum: routed layers start by running every token and reach their γ after
+    ``ramp_steps`` optimizer steps, γ'(s) = 1 − p(s)·(1 − γ) with p(s) = min(1, s / ramp_steps)
+    (``ramp_steps`` = 0: γ from the first step). A pretrained model is moved to sparse execution
+    gradually instead of losing half of its tokens' updates at step 0. Applies to top-k teachers;
+    a threshold teacher (dynamic capacity) sets its own budget.
+
+    Args:
+        ramp_steps (int): ≥ 0.
+    """
+
+    ramp_steps: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.ramp_steps, int) and not isinstance(self.ramp_steps, bool) and self.ramp_steps >= 0):
+            raise ValueError(f"capacity_curriculum.ramp_steps must be an integer ≥ 0, got {self.ramp_steps!r}")
+
+    def progress(self, step: int) -> float:
+        return 1.0 if self.ramp_steps == 0 else min(1.0, step / self.ramp_steps)
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """Distillation from the pretrained model's dense logits (a frozen copy of the starting weights,
+    every layer run on every token): L += weight · T² · KL(p_dense,T ‖ p_routed,T) per target token.
+
+    Args:
+        weight (float): ≥ 0; 0 turns it off (no teacher is built).
+        temperature (float): T > 0.
+    """
+
+    weight: float
+    temperature: float
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not float(self.weight) >= 0:
+            problems.append(f"distillation.weight must be ≥ 0, got {self.weight!r}")
+        if not float(self.temperature) > 0:
+            problems.append(f"distillation.temperature must be > 0, got {self.temperature!r}")
+        if problems:
+            raise ValueError("Invalid distillation:\n  - " + "\n  - ".join(problems))
+
+    @property
+    def enabled(self) -> bool:
+        return float(self.weight) > 0

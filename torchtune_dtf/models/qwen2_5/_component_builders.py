@@ -15,7 +15,14 @@ from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_dtf.models.routing_config import RoutingSpec, validate_routing
 from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
-from torchtune_dtf.modules.layers import MoDLayer, SDTDecisionLayer, SDTDynamicLayer, STTLayer
+from torchtune_dtf.modules.layers import (
+    DroppedLayer,
+    MoDLayer,
+    RandomRoutedLayer,
+    SDTDecisionLayer,
+    SDTDynamicLayer,
+    STTLayer,
+)
 from torchtune_dtf.modules.predictors import ResidualPredictor, predictor_width
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter
 from torchtune_dtf.modules.surprise import PredictiveRouter
@@ -90,7 +97,17 @@ def _routed_decoder(
             sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
             mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
         )
-        if i in capacity_of:
+        if i in spec.dropped_layers:
+            layer = DroppedLayer(**block)
+        elif i in capacity_of and spec.variant == "random":
+            layer = RandomRoutedLayer(
+                **block,
+                layer_idx=i,
+                capacity=capacity_of[i],
+                always_run_first_token=spec.always_run_first_token,
+                skipped_tokens_write_kv=spec.skipped_tokens_write_kv,
+            )
+        elif i in capacity_of:
             routed = dict(
                 layer_idx=i,
                 capacity=capacity_of[i],
@@ -100,6 +117,8 @@ def _routed_decoder(
                 gate=spec.gate,
                 always_run_first_token=spec.always_run_first_token,
                 allow_noncausal_student_topk=spec.allow_noncausal_student_topk,
+                skipped_tokens_write_kv=spec.skipped_tokens_write_kv,
+                skip_update=spec.skip_update,
             )
             if spec.variant == "mod":
                 layer = MoDLayer(**block, **routed, mod_router=MoDRouter(embed_dim, spec.routing_init_std))
@@ -150,7 +169,7 @@ def routed_qwen2(
     tie_word_embeddings: bool,
     **routing,
 ) -> RoutedTransformerDecoder:
-    """Qwen2 decoder of the given variant (``dense``, ``mod``, ``sdt``, ``stt``).
+    """Qwen2 decoder of the given variant (``dense``, ``layerdrop``, ``random``, ``mod``, ``sdt``, ``stt``).
 
     With ``variant="dense"`` and no routing arguments it is torchtune's ``qwen2`` (same modules, same
     keys), run through the same decoder class so every comparison shares one code path.
@@ -163,8 +182,10 @@ def routed_qwen2(
             :mod:`torchtune_dtf.models.routing_config`): ``routed_layers``, ``capacity``,
             ``student_routing_mode``, ``student_threshold``, ``causal_router_input``,
             ``causal_router_hidden_dim``, ``routing_init_std``, ``gate``, ``always_run_first_token``,
-            ``allow_noncausal_student_topk``; SDT/STT also ``prior_factor``,
+            ``allow_noncausal_student_topk``, ``skipped_tokens_write_kv``, ``skip_update``; SDT/STT also ``prior_factor``,
             ``ma_window``, ``o_ce_init``, ``m_cu_init``, ``teacher_selection``, ``gate_threshold``.
+            The baselines: ``layerdrop`` takes ``dropped_layers``; ``random`` takes ``routed_layers``,
+            ``capacity``, ``always_run_first_token``, ``skipped_tokens_write_kv``.
 
     Raises:
         ValueError: listing every missing, unknown or invalid routing hyperparameter.

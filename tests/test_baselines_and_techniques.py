@@ -1,0 +1,364 @@
+"""The matched-compute baselines (static layer dropping, random routing) and the techniques that keep a
+converted model's quality (context-preserving K/V, predicted skip update, capacity curriculum, dense
+distillation, the dense routing mode), each checked against a reference computed independently."""
+
+import math
+
+import pytest
+import torch
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from tests.conftest import VOCAB, build_tiny, routing_kwargs, tiny_architecture
+from tests.test_selective_cache import MAX_LEN, causal_masks, decode_incrementally
+from torchtune_dtf.models.qwen2_5 import routed_qwen2
+from torchtune_dtf.modules import DroppedLayer, RandomRoutedLayer, RoutedSelfAttentionLayer, RoutingContext
+from torchtune_dtf.modules.routers import previous_token_states
+from torchtune_dtf.training.routing_losses import distillation_loss
+from torchtune_dtf.training.schedules import CapacityCurriculum, Distillation
+
+SURPRISE_BETAS = dict(beta_ce=100.0, beta_cu=100.0)
+
+
+def dense_block(layer, x):
+    """The layer's block as torchtune's dense layer computes it (every token, causal)."""
+    return TransformerSelfAttentionLayer.forward(layer, x)
+
+
+def layer_inputs(model, tokens, upto):
+    """Input of layer ``upto`` of ``model`` in student mode."""
+    h = model.tok_embeddings(tokens)
+    for layer in model.layers[:upto]:
+        h = layer(h) if not isinstance(layer, RoutedSelfAttentionLayer) else layer(h, routing=RoutingContext(mode="student"))
+    return h
+
+
+# ---- dense routing mode ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["mod", "sdt", "stt", "random"])
+def test_dense_routing_mode_is_the_dense_model(variant, tokens):
+    dense = build_tiny("dense")
+    routed = build_tiny(variant)
+    ctx = RoutingContext(mode="dense")
+    torch.testing.assert_close(routed(tokens, routing=ctx), dense(tokens), rtol=0, atol=0)
+    assert all(bool(r.selected_mask.all()) for r in ctx.layers.values())
+    # and the student of the same model is not (the comparison can fail)
+    assert not torch.allclose(routed(tokens), dense(tokens), atol=1e-3)
+
+
+# ---- static layer dropping ---------------------------------------------------------------------------
+
+
+def test_layerdrop_equals_the_dense_model_without_those_layers(tokens):
+    dense = build_tiny("dense")
+    dropped = build_tiny("layerdrop", dropped_layers=[1, 2])
+    assert [type(layer) for layer in dropped.layers][1:3] == [DroppedLayer, DroppedLayer]
+    # Same keys as the dense checkpoint: a stock checkpoint loads strictly.
+    assert dropped.state_dict().keys() == dense.state_dict().keys()
+    with torch.no_grad():
+        h = dense.tok_embeddings(tokens)
+        for i in (0, 3):
+            h = dense.layers[i](h)
+        expected = dense.output(dense.norm(h))
+    torch.testing.assert_close(dropped(tokens), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "resolves to no layer"),
+    ([0, 1, 2, 3], "drops every layer"),
+    ([1, 9], r"dropped_layers \[9\] are outside"),
+    ("every_third", "dropped_layers must be one of"),
+])
+def test_layerdrop_config_errors(bad, message):
+    with pytest.raises(ValueError, match=message):
+        routed_qwen2("layerdrop", **tiny_architecture(), dropped_layers=bad)
+
+
+# ---- random routing ----------------------------------------------------------------------------------
+
+
+def test_random_routing_budget_and_randomness():
+    torch.manual_seed(0)
+    model = build_tiny("random", capacity=0.5)
+    assert not any(p.numel() for n, p in model.named_parameters() if "router" in n)
+    tokens = torch.randint(0, VOCAB, (8, 64), generator=torch.Generator().manual_seed(1))
+    teacher_masks = []
+    for _ in range(2):
+        ctx = RoutingContext(mode="teacher", **SURPRISE_BETAS)
+        model(tokens, routing=ctx)
+        masks = {i: r.selected_mask for i, r in ctx.layers.items()}
+        assert sorted(masks) == [1, 3]
+        for mask in masks.values():
+            assert mask.sum(-1).tolist() == [32] * 8  # exactly ⌊γ·n⌋ per sequence
+            first_half = mask[:, :32].sum() / mask.sum()
+            assert 0.35 < first_half < 0.65, "random selection must not be position order"
+        teacher_masks.append(masks[1])
+    assert not torch.equal(teacher_masks[0], teacher_masks[1]), "a fresh draw every forward"
+    ctx = RoutingContext(mode="student")
+    model(torch.randint(0, VOCAB, (16, 256), generator=torch.Generator().manual_seed(2)), routing=ctx)
+    for record in ctx.layers.values():
+        assert abs(record.selected_fraction.item() - 0.5) < 0.02  # causal Bernoulli(γ): γ in expectation
+    # seeded → reproducible
+    torch.manual_seed(5)
+    a = model(tokens)
+    torch.manual_seed(5)
+    torch.testing.assert_close(model(tokens), a, rtol=0, atol=0)
+
+
+def test_random_routing_is_causal(tokens):
+    model = build_tiny("random")
+    torch.manual_seed(3)
+    full = model(tokens)
+    changed = tokens.clone()
+    changed[:, 12:] = (changed[:, 12:] + 1) % VOCAB
+    torch.manual_seed(3)
+    torch.testing.assert_close(model(changed)[:, :12], full[:, :12], rtol=0, atol=0)
+
+
+# ---- context-preserving routed attention (skipped tokens write K/V) ----------------------------------
+
+
+@pytest.mark.parametrize("variant", ["mod", "stt", "random"])
+def test_write_kv_selected_tokens_get_the_dense_update(variant, tokens):
+    """With every token a key/value, a selected token's attention is the dense layer's, so its update is
+    exactly the dense block's; skipped tokens pass unchanged."""
+    model = build_tiny(variant, skipped_tokens_write_kv=True, gate="straight_through") if variant != "random" else \
+        build_tiny(variant, skipped_tokens_write_kv=True)
+    layer = model.layers[1]
+    x = layer_inputs(model, tokens, 1)
+    ctx = RoutingContext(mode="student")
+    torch.manual_seed(0)
+    out = layer(x, routing=ctx)
+    ran = ctx.layers[1].selected_mask
+    assert 0 < ran.sum() < ran.numel()
+    expected = torch.where(ran[..., None], dense_block(layer, x), x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # Without the option the selected tokens see only each other: the update differs.
+    layer.skipped_tokens_write_kv = False
+    torch.manual_seed(0)
+    assert not torch.allclose(layer(x, routing=RoutingContext(mode="student")), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["mod", "stt"])
+def test_write_kv_cache_holds_every_token_and_decode_matches(variant, tokens):
+    model = build_tiny(variant, skipped_tokens_write_kv=True, student_threshold=0.5)
+    full_ctx = RoutingContext(mode="student")
+    full = model(tokens, routing=full_ctx)
+    model.setup_caches(batch_size=tokens.shape[0], dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    incremental, executed = decode_incrementally(model, tokens, prompt_len=9)
+    torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-4)
+    for layer in model.layers:
+        if isinstance(layer, RoutedSelfAttentionLayer):
+            ran = executed[layer.layer_idx]
+            assert torch.equal(ran, full_ctx.layers[layer.layer_idx].selected_mask)
+            assert 0 < ran.sum() < ran.numel()
+            cache = layer.attn.kv_cache
+            assert cache.fill.tolist() == [tokens.shape[1]] * tokens.shape[0]  # every token wrote K/V
+            assert cache.entry_slots[0, : tokens.shape[1]].tolist() == list(range(tokens.shape[1]))
+
+
+def test_write_kv_packed_documents_stay_apart():
+    """Block-causal mask: a selected token never attends to another document's (skipped) tokens."""
+    model = build_tiny("mod", skipped_tokens_write_kv=True)
+    a = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
+    b = torch.randint(0, VOCAB, (1, 14), generator=torch.Generator().manual_seed(5))
+    packed = torch.cat([a, b], dim=1)
+    mask = torch.zeros(1, 24, 24, dtype=torch.bool)
+    mask[0, :10, :10] = torch.tril(torch.ones(10, 10, dtype=torch.bool))
+    mask[0, 10:, 10:] = torch.tril(torch.ones(14, 14, dtype=torch.bool))
+    positions = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    torch.testing.assert_close(model(packed, mask=mask, input_pos=positions)[:, 10:], model(b), rtol=1e-5, atol=1e-5)
+
+
+# ---- predicted update on the skip path (STT) ---------------------------------------------------------
+
+
+def test_predicted_skip_update_is_the_tpn_forecast_from_the_previous_output(tokens):
+    plain = build_tiny("stt")
+    predicted = build_tiny("stt", skip_update="predicted")
+    predicted.load_state_dict(plain.state_dict())
+    layer = predicted.layers[1]
+    with torch.no_grad():  # a TPN that is not ~0 at init, so the forecast is visible
+        layer.transition.down_proj.weight.mul_(50)
+        plain.layers[1].transition.down_proj.weight.mul_(50)
+    x = layer_inputs(plain, tokens, 1)
+    ctx = RoutingContext(mode="student")
+    base = plain.layers[1](x, routing=ctx)
+    ran = ctx.layers[1].selected_mask
+    assert 0 < ran.sum() < ran.numel()
+    starts = torch.zeros_like(ran)
+    starts[:, 0] = True
+    forecast = layer.transition(previous_token_states(base, starts))
+    expected = base + forecast * (~ran)[..., None]
+    out = layer(x, routing=RoutingContext(mode="student"))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert (out - base)[~ran].abs().max() > 1e-3 and (out - base)[ran].abs().max() == 0
+
+
+def test_predicted_skip_update_decode_matches_full_forward(tokens):
+    model = build_tiny("stt", skip_update="predicted", student_threshold=0.5)
+    with torch.no_grad():
+        for layer in model.layers:
+            if isinstance(layer, RoutedSelfAttentionLayer):
+                layer.transition.down_proj.weight.mul_(50)
+    full = model(tokens)
+    model.setup_caches(batch_size=tokens.shape[0], dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    incremental, _ = decode_incrementally(model, tokens, prompt_len=9)
+    torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-4)
+
+
+def test_predicted_skip_update_trains_the_tpn_through_the_lm_loss(tokens):
+    model = build_tiny("stt", skip_update="predicted").train()
+    ctx = RoutingContext(mode="teacher", **SURPRISE_BETAS)
+    model(tokens, routing=ctx).float().logsumexp(-1).mean().backward()
+    assert model.layers[1].transition.up_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("variant", ["mod", "sdt"])
+def test_predicted_skip_update_needs_a_forecast(variant):
+    with pytest.raises(ValueError, match="skip_update: predicted needs a forecast"):
+        build_tiny(variant, skip_update="predicted")
+
+
+# ---- capacity curriculum -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["mod", "stt", "random"])
+def test_capacity_progress_sets_the_teacher_budget(variant):
+    model = build_tiny(variant, capacity=0.25)
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    for progress, expected in ((0.0, 40), (0.5, 25), (1.0, 10)):
+        ctx = RoutingContext(mode="teacher", capacity_progress=progress, **SURPRISE_BETAS)
+        model(tokens, routing=ctx)
+        for record in ctx.layers.values():
+            assert record.selected_mask.sum(-1).tolist() == [expected, expected]
+
+
+def test_capacity_curriculum_schedule():
+    curriculum = CapacityCurriculum(ramp_steps=10)
+    assert [curriculum.progress(s) for s in (0, 5, 10, 20)] == [0.0, 0.5, 1.0, 1.0]
+    assert CapacityCurriculum(ramp_steps=0).progress(0) == 1.0
+    with pytest.raises(ValueError, match="ramp_steps must be an integer"):
+        CapacityCurriculum(ramp_steps=-1)
+    with pytest.raises(ValueError, match="capacity_progress must be in"):
+        RoutingContext(mode="teacher", capacity_progress=1.5)
+
+
+# ---- distillation ------------------------------------------------------------------------------------
+
+
+def test_distillation_loss_is_the_masked_tempered_kl():
+    gen = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 6, 11, generator=gen), torch.randn(2, 6, 11, generator=gen)
+    labels = torch.tensor([[1, 2, -100, 3, 4, 5], [-100, -100, 1, 2, 3, 4]])
+    t = 2.0
+    p = torch.softmax(teacher / t, -1)
+    kl = (p * (p.log() - torch.log_softmax(student / t, -1))).sum(-1)
+    valid = labels != -100
+    expected = t * t * kl[valid].mean()
+    torch.testing.assert_close(distillation_loss(student, teacher, labels, t, -100), expected)
+    # torchtune's chunked logits give the same value
+    chunked = distillation_loss(list(student.chunk(3, 1)), list(teacher.chunk(3, 1)), labels, t, -100)
+    torch.testing.assert_close(chunked, expected)
+    assert distillation_loss(teacher, teacher, labels, t, -100).abs() < 1e-6
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        Distillation(weight=1.0, temperature=0.0)
+    assert not Distillation(weight=0.0, temperature=1.0).enabled
+
+
+# ---- through the recipe ------------------------------------------------------------------------------
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from tests.test_recipe import load_config, read_log, run_recipe, train_assets, workdir  # noqa: E402,F401
+from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe  # noqa: E402
+
+
+def baseline_config(variant, **routing):
+    """The tiny STT training config with its model replaced by ``variant`` (component builder)."""
+    cfg = load_config("stt_train")
+    cfg.model = OmegaConf.create(
+        {"_component_": "torchtune_dtf.models.qwen2_5.routed_qwen2", "variant": variant,
+         **tiny_architecture(), "vocab_size": 151936, **routing_kwargs(variant, **routing)}
+    )
+    return cfg
+
+
+def test_random_and_layerdrop_train_through_the_recipe(workdir):
+    from torchtune_dtf.training import RoutedHFCheckpointer  # noqa: F401  (imported by the config)
+
+    cfg = baseline_config("random")
+    recipe = run_recipe(cfg)
+    log = read_log(workdir)
+    assert recipe.global_step == 4
+    assert abs(log[4]["routing/layer_1/teacher_fraction"] - 0.5) < 0.03 and "routing/layer_1/agreement_accuracy" in log[4]
+    assert "loss/causal" in log[4] and log[4]["loss/causal"] == 0.0  # no router, nothing to imitate
+    shutil_rmtree(workdir / "outputs")
+
+    cfg = baseline_config("layerdrop", dropped_layers=[2])
+    recipe = RoutedFinetuneRecipe(cfg)
+    recipe.setup(cfg)
+    before = {k: v.clone() for k, v in recipe._model.state_dict().items()}
+    recipe.train()
+    recipe.cleanup()
+    after = recipe._model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in after if k.startswith("layers.2."))
+    assert not torch.equal(before["layers.1.mlp.w1.weight"], after["layers.1.mlp.w1.weight"])
+    assert "beta_ce" not in read_log(workdir)[4]  # trained like the dense model
+
+
+def shutil_rmtree(path):
+    import shutil
+
+    shutil.rmtree(path)
+
+
+def test_capacity_curriculum_ramps_the_teacher_budget_in_training(workdir):
+    cfg = load_config("stt_train", **{"capacity_curriculum.ramp_steps": 4})
+    run_recipe(cfg)
+    log = read_log(workdir)
+    # step s is logged after the optimizer step; its forward ran at progress (s − 1) / 4
+    assert [log[s]["capacity_progress"] for s in (1, 2, 3, 4)] == [0.0, 0.25, 0.5, 0.75]
+    fractions = [log[s]["routing/layer_1/teacher_fraction"] for s in (1, 3)]
+    assert fractions[0] == 1.0 and abs(fractions[1] - 0.75) < 0.03
+
+
+def test_distillation_uses_a_frozen_dense_teacher_of_the_starting_weights(workdir):
+    from tests.conftest import build_tiny  # noqa: F401
+
+    cfg = load_config("stt_train", **{"distillation.weight": 1.0, "distillation.temperature": 2.0})
+    recipe = RoutedFinetuneRecipe(cfg)
+    recipe.setup(cfg)
+    teacher = recipe._dense_teacher
+    assert not any(p.requires_grad for p in teacher.parameters())
+    assert teacher.variant == "dense" and len(teacher.layers) == 4
+    start = {k: v.clone() for k, v in teacher.state_dict().items()}
+    # The teacher is the dense model of the starting checkpoint: the routed model in dense mode, before training.
+    batch = next(iter(recipe._dataloader))
+    with torch.no_grad():
+        reference = recipe._model(batch["tokens"], routing=RoutingContext(mode="dense"))
+        torch.testing.assert_close(torch.cat(teacher(batch["tokens"]), 1), torch.cat(reference, 1))
+    recipe.train()
+    recipe.cleanup()
+    log = read_log(workdir)
+    assert all(math.isfinite(log[s]["loss/distill"]) and log[s]["loss/distill"] > 0 for s in (1, 2, 3, 4))
+    assert all(torch.equal(start[k], v) for k, v in teacher.state_dict().items())
+
+
+def test_distillation_weight_zero_builds_no_teacher(workdir):
+    cfg = load_config("stt_train")
+    recipe = RoutedFinetuneRecipe(cfg)
+    recipe.setup(cfg)
+    assert recipe._dense_teacher is None
+    loss, parts, _ = recipe._total_loss(next(iter(recipe._dataloader)))
+    assert "distill" not in parts
+
+
+def test_new_recipe_keys_are_required():
+    from torchtune_dtf.recipes.routed_finetune import validate_recipe_config
+
+    cfg = load_config("stt_train")
+    del cfg["capacity_curriculum"]
+    del cfg["distillation"]
+    with pytest.raises(ValueError, match="distillation.*capacity_curriculum|capacity_curriculum.*distillation"):
+        validate_recipe_config(cfg)
