@@ -362,3 +362,23 @@ def test_new_recipe_keys_are_required():
     del cfg["distillation"]
     with pytest.raises(ValueError, match="distillation.*capacity_curriculum|capacity_curriculum.*distillation"):
         validate_recipe_config(cfg)
+
+
+def test_ce_cu_shares_count_the_teachers_choices(tokens):
+    from torchtune_dtf.training.routing_losses import routing_metrics
+
+    model = build_tiny("stt")
+    ctx = RoutingContext(mode="teacher", **SURPRISE_BETAS)
+    model(tokens, routing=ctx)
+    metrics = routing_metrics(ctx)
+    record = ctx.layers[1]
+    chosen = record.teacher_mask
+    assert metrics["routing/layer_1/teacher_ce_share"] == pytest.approx(float((record.ce[chosen] > 0).float().mean()))
+    assert metrics["routing/layer_1/teacher_cu_share"] == pytest.approx(float((record.cu[chosen] > 0).float().mean()))
+    assert "routing/layer_1/teacher_ce_share" not in routing_metrics(_mod_context(tokens))
+
+
+def _mod_context(tokens):
+    ctx = RoutingContext(mode="teacher")
+    build_tiny("mod")(tokens, routing=ctx)
+    return ctx

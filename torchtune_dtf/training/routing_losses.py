@@ -53,7 +53,8 @@ def first_half_share(mask: torch.Tensor) -> float:
 def routing_metrics(routing: RoutingContext, prefix: str = "routing") -> Dict[str, float]:
     """Flat per-layer means for logging: D_st, D_ch, S_CE, S_CU, g, o_ce, m_cu, selected fractions,
     teacher–student agreement (accuracy, precision, recall) and, for the teacher, the share of tied
-    ranking scores and of selected tokens in the first half of the window (DESIGN R1), keyed
+    ranking scores and of selected tokens in the first half of the window (DESIGN R1) and, for SDT/STT,
+    the shares of its selected tokens whose CE and whose CU criterion is positive, keyed
     ``{prefix}/layer_{i}/{name}``."""
     metrics: Dict[str, float] = {}
     for idx, record in sorted(routing.layers.items()):
@@ -65,6 +66,12 @@ def routing_metrics(routing: RoutingContext, prefix: str = "routing") -> Dict[st
         metrics[f"{key}/selected_fraction"] = record.selected_fraction.item()
         if record.teacher_mask is not None:
             metrics[f"{key}/teacher_fraction"] = record.teacher_mask.float().mean().item()
+            if record.ce is not None:
+                # Which criterion fired for the tokens the teacher chose (paper §4: CU early, CE later?).
+                chosen = record.teacher_mask
+                count = chosen.sum().clamp(min=1)
+                metrics[f"{key}/teacher_ce_share"] = (((record.ce > 0) & chosen).sum() / count).item()
+                metrics[f"{key}/teacher_cu_share"] = (((record.cu > 0) & chosen).sum() / count).item()
             metrics[f"{key}/teacher_first_half_share"] = first_half_share(record.teacher_mask)
             score = record.score if record.score is not None else record.router_logits
             if score is not None:
