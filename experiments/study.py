@@ -16,6 +16,8 @@ Study file (YAML)
     seeds: [0, 1, 2]
     budget: {max_steps_per_epoch: 100, batch_size: 4}  # config overrides applied to every run (same budget)
     validation_points: 4                               # optional (default 4): validation + checkpoint this often
+    keep_checkpoints: true                             # optional (default true); false deletes a run's epoch_0
+                                                       # once its JSON is written (135M: ~1.6 GB with the optimizer)
     heldout: {file: quickstart_work/corpus/heldout.jsonl, windows: 16, seq_len: 256, batch_size: 4}
     eleuther:                                          # or null to skip the stock eleuther_eval step
       config: configs/quickstart/eval_stt_smollm2.yaml # template: every eval key but model/tokenizer/checkpointer
@@ -84,7 +86,7 @@ else {tasks, limit, results: {task: {metric: value, metric_stderr: value}}, mc_a
 forward_flops_ratio, forward_flops_by_category_per_token, kv_bytes_per_token, dense_kv_bytes_per_token,
 kv_bytes_ratio, bytes_per_value, executed_fraction_used, routed_layers, dropped_layers,
 distillation_teacher_flops_per_token, …), ``routing_stats`` {layer_i: {metric: {mean, first, last}}} over the
-training log, ``finished_at``.
+training log, ``checkpoint_kept``, ``finished_at``.
 
 ``aggregate`` writes ``<out_dir>/README.md`` (tables: mean ± std over the seeds present, "partial" where a run
 has fewer seeds than the study or none; paired differences run − baseline per seed with a t-interval) and the
@@ -136,6 +138,7 @@ def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
     study.setdefault("baselines", [])
     study.setdefault("eleuther", None)
     study.setdefault("validation_points", 4)
+    study.setdefault("keep_checkpoints", True)
     if "heldout" not in study or not study["heldout"]:
         raise StudyError(f"{path}: missing heldout: {{file, windows, seq_len}}")
     absolute = lambda p: str((root / p).resolve()) if p is not None else None  # noqa: E731
@@ -235,8 +238,8 @@ def training_state(output_dir: Path) -> str:
     """``done`` (marker written), ``finished`` (the run's last checkpoint is its final one, the marker is
     missing: the driver stopped right after training), ``resume`` (a complete checkpoint of the run that owns
     the folder, mid-run) or ``fresh``."""
-    if (output_dir / DONE_MARKER).is_file():
-        return "done"
+    if (output_dir / DONE_MARKER).is_file() and (output_dir / "epoch_0").is_dir():
+        return "done"  # (a run whose checkpoint was deleted after its JSON trains again if its JSON is deleted)
     if not output_dir.is_dir():
         return "fresh"
     import torch
@@ -631,12 +634,15 @@ def run_one(study: Dict[str, Any], run: Dict[str, Any], seed: int) -> Path:
         "eleuther": eleuther,
         "compute": compute,
         "routing_stats": routing_stats(rows),
+        "checkpoint_kept": bool(study.get("keep_checkpoints", True)),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": saved,
         "curves": curves_from_log(rows),
     }
     _write_json(result_path, None, dumps_result(result))
     print(f"== {rid}: wrote {result_path}", flush=True)
+    if not result["checkpoint_kept"]:
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the marker keeps the run from training again
     return result_path
 
 
@@ -852,7 +858,7 @@ def aggregate(out_dir: Path) -> Path:
     order = expected_names + sorted(n for n in runs if n not in expected_names)
     expected_seeds = [int(s) for s in spec.get("seeds", [])]
     baselines = [b for b in spec.get("baselines", [])]
-    name = spec.get("name") or out_dir.name
+    name = spec.get("name") or next((r["study"] for rs in runs.values() for r in rs), out_dir.name)
     dense_names = [n for n in order if runs.get(n) and all(r.get("variant") == "dense" for r in runs[n])]
 
     missing_lines = []
@@ -877,7 +883,10 @@ def aggregate(out_dir: Path) -> Path:
     if spec.get("source"):
         lines.append(f"Study file: `{os.path.relpath(spec['source'], out_dir) if os.path.isabs(spec['source']) else spec['source']}`.")
     lines.append("")
-    if partial:
+    if not spec:
+        lines += ["No `study.json` here (written by `run`): the expected runs and seeds are unknown, the tables show "
+                  "the run files present.", ""]
+    elif partial:
         lines += ["**PARTIAL STUDY** — missing:", "", *missing_lines, ""]
     else:
         lines += ["Complete: every run has every seed of the study.", ""]

@@ -51,7 +51,7 @@ def workdir(assets, tmp_path):
     return tmp_path
 
 
-def write_study(workdir: Path, *, seeds, runs, budget=None, eleuther=None, points=2) -> Path:
+def write_study(workdir: Path, *, seeds, runs, budget=None, eleuther=None, points=2, **extra) -> Path:
     study = {
         "name": "micro",
         "out_dir": "out",
@@ -63,6 +63,7 @@ def write_study(workdir: Path, *, seeds, runs, budget=None, eleuther=None, point
         "eleuther": eleuther,
         "baselines": ["dense"] if any(r["name"] == "dense" for r in runs) else [],
         "runs": runs,
+        **extra,
     }
     path = workdir / "study.yaml"
     path.write_text(json.dumps(study, indent=1))  # JSON is YAML
@@ -183,7 +184,7 @@ def test_micro_study_end_to_end(workdir):
 @pytest.mark.slow
 def test_study_eleuther_step(workdir):
     eleuther = {"config": str(TINY / "eval_stt.yaml"), "tasks": ["tiny_routed_mc"], "limit": None}
-    study = write_study(workdir, seeds=[0], runs=[RUNS[1]], eleuther=eleuther)
+    study = write_study(workdir, seeds=[0], runs=[RUNS[1]], eleuther=eleuther, keep_checkpoints=False)
     proc = driver(workdir, "run", str(study))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((workdir / "out" / "runs" / "stt__seed0.json").read_text())
@@ -201,6 +202,10 @@ def test_study_eleuther_step(workdir):
     hub = workdir / "work" / "hf_home" / "hub"
     assert sorted(p.name for p in hub.iterdir() if p.name.startswith("models--")) == ["models--gpt2"]
     assert "| `stt` | 1/1 |" in (workdir / "out" / "README.md").read_text()
+    # keep_checkpoints: False deleted the checkpoint once the JSON was written; a rerun still skips the run
+    assert result["checkpoint_kept"] is False and not (workdir / "work" / "runs" / "stt__seed0" / "epoch_0").exists()
+    proc = driver(workdir, "run", str(study), "--no-aggregate")
+    assert proc.returncode == 0 and "done, skipped" in proc.stdout
 
 
 @pytest.mark.slow
@@ -245,6 +250,8 @@ def test_training_state_and_schedule(tmp_path):
     (tmp_path / "run").mkdir()
     assert study.training_state(tmp_path / "run") == "fresh"  # no run.json, no checkpoint
     (tmp_path / "run" / study.DONE_MARKER).write_text("{}")
+    assert study.training_state(tmp_path / "run") == "fresh"  # marker, but the checkpoint was deleted
+    (tmp_path / "run" / "epoch_0").mkdir()
     assert study.training_state(tmp_path / "run") == "done"
     assert [study.schedule_every(s, 4) for s in (1, 2, 3, 40, 100, 200, 7)] == [1, 1, 1, 10, 25, 50, 7]
 
