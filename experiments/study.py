@@ -777,12 +777,15 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     names = [n for n in order if runs.get(n)]
     colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
     written = []
 
-    def finish(fig, ax, name, empty_note):
+    def finish(fig, ax, name, empty_note, integer_x=True):
+        if integer_x:
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         if not ax.has_data():
             ax.text(0.5, 0.5, empty_note, ha="center", va="center", transform=ax.transAxes)
         elif ax.get_legend_handles_labels()[0]:
@@ -808,7 +811,7 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
     ax.set_xlabel("forward FLOPs per token ÷ dense (closed form)")
     ax.set_ylabel("held-out loss per token (student)")
     ax.set_title("Quality–compute frontier (mean ± std over seeds)")
-    finish(fig, ax, "frontier.png", "no run with held-out loss and FLOPs yet")
+    finish(fig, ax, "frontier.png", "no run with held-out loss and FLOPs yet", integer_x=False)
 
     # (b) training curves
     fig, ax = plt.subplots(figsize=(6, 4.2))
