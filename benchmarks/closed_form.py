@@ -24,10 +24,27 @@ numbers are comparable term by term):
 * Bytes (decode): a step reads the weights of every block that runs (once per batch, whatever the number of
   rows that run it), the LM head (= the tied embedding matrix), the routers of every routed layer, and every
   KV entry each running row attends to. Activations are ignored (tiny at decode).
+
+Variants and technique options (model config keys; an absent key means the behaviour of today's configs):
+
+* ``dense``: every layer runs every token. ``layerdrop`` with ``dropped_layers: [i, ...]``: those layers run
+  on no token (0 FLOPs, no K/V, no weights read). ``random``: routed layers like MoD but no router of any kind
+  (0 router FLOPs).
+* ``skipped_tokens_write_kv: True`` (mod, sdt, stt, random): a skipped token still computes its k and v
+  projections (``2·d·(2·n_kv·h_d)``, counted in ``block_linear``) and writes K/V; the selected queries attend
+  over all n tokens (``f·n × n``) instead of the selected ones only (``f·n × f·n``); the layer's KV bytes are
+  then the dense layer's.
+* ``skip_update: predicted`` (stt: the TPN's forecast; sdt: the PriorFFN's prior): at inference each skipped
+  token also runs the predictor, ``6·d·d_p`` FLOPs, counted in ``routers`` (where FlopCounterMode's split puts
+  the predictor modules). In training (teacher mode) the predictor already runs on every token.
+* The causal (student) router runs on every token of every routed layer of mod/sdt/stt; MoD's linear router
+  runs at inference only when its gate is ``scaled`` (it gives σ(r)); in training it always runs.
+* Recipe key ``distillation: {weight, temperature}`` with weight > 0 adds a frozen dense teacher forward per
+  training token (:func:`distillation_teacher_flops_per_token`), reported apart from the deployed forward.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -92,16 +109,24 @@ class ModelShape:
 class RoutingShape:
     """What a routed variant adds: which layers are routed, at which capacity, and the routers' sizes."""
 
-    variant: str  # dense | mod | sdt | stt
+    variant: str  # dense | mod | sdt | stt | random | layerdrop
     routed_layers: Tuple[int, ...] = ()
     capacity: Tuple[float, ...] = ()
-    router_hidden: int = 0
+    router_hidden: int = 0  # 0: no causal router (dense, layerdrop, random)
     router_inputs: int = 1  # 2 with causal_router_input="current_previous"
     predictor_width: int = 0  # PriorFFN/TPN width d_p (SDT/STT)
+    dropped_layers: Tuple[int, ...] = ()  # layerdrop: layers that run on no token
+    skipped_tokens_write_kv: bool = False  # skipped tokens still project and write K/V; queries see every token
+    skip_update: str = "none"  # "none" | "predicted" (skipped tokens get the TPN/PriorFFN forecast at inference)
+    mod_router_at_inference: bool = True  # MoD: the router runs in student mode (gate "scaled")
 
     @classmethod
     def dense(cls) -> "RoutingShape":
         return cls(variant="dense")
+
+    @property
+    def has_causal_router(self) -> bool:
+        return self.variant in ("mod", "sdt", "stt") and self.router_hidden > 0
 
     def gamma_of(self) -> Dict[int, float]:
         return dict(zip(self.routed_layers, self.capacity))
@@ -112,22 +137,43 @@ class RoutingShape:
     # ---- router sizes ----------------------------------------------------------------------------
     def causal_router_input_flops_per_token(self, shape: ModelShape) -> int:
         """The causal router's first layer, Linear(c·d → h)."""
+        if not self.has_causal_router:
+            return 0
         return 2 * self.router_inputs * shape.embed_dim * self.router_hidden
 
     def causal_router_flops_per_token(self, shape: ModelShape) -> int:
+        if not self.has_causal_router:
+            return 0
         return self.causal_router_input_flops_per_token(shape) + 2 * self.router_hidden
 
-    def mod_router_flops_per_token(self, shape: ModelShape) -> int:
-        return 2 * shape.embed_dim if self.variant == "mod" else 0
+    def mod_router_flops_per_token(self, shape: ModelShape, mode: str = "student") -> int:
+        """MoD's Linear(d → 1): always in training; at inference only when it gives the gate (``scaled``)."""
+        if self.variant != "mod" or (mode == "student" and not self.mod_router_at_inference):
+            return 0
+        return 2 * shape.embed_dim
 
     def predictor_flops_per_token(self, shape: ModelShape) -> int:
         return 6 * shape.embed_dim * self.predictor_width
 
     def router_params_per_layer(self, shape: ModelShape) -> int:
-        """Parameters of the routers a routed layer reads at inference (causal router, MoD router)."""
+        """Parameters of the routers a routed layer reads at inference (causal router, MoD router, and the
+        TPN/PriorFFN with ``skip_update: predicted``)."""
         d, h = shape.embed_dim, self.router_hidden
-        causal = d + self.router_inputs * d * h + h + h + 1
-        return causal + (d if self.variant == "mod" else 0)
+        causal = d + self.router_inputs * d * h + h + h + 1 if self.has_causal_router else 0
+        mod = d if self.variant == "mod" and self.mod_router_at_inference else 0
+        return causal + mod + (self.predictor_params(shape) if self.predicts_skipped else 0)
+
+    @property
+    def predicts_skipped(self) -> bool:
+        """Skipped tokens receive the predictor's forecast at inference (``skip_update: predicted``)."""
+        return self.skip_update == "predicted" and self.variant in ("sdt", "stt") and self.predictor_width > 0
+
+    def predictor_params(self, shape: ModelShape) -> int:
+        return shape.embed_dim + 3 * shape.embed_dim * self.predictor_width  # RMSNorm + SwiGLU (no biases)
+
+    def kv_projection_flops_per_token(self, shape: ModelShape) -> int:
+        """k and v projections of one token: 2·d·(2·n_kv·h_d)."""
+        return 2 * shape.embed_dim * 2 * shape.num_kv_heads * shape.head_dim
 
 
 def num_selected(gamma: float, seq_len: int) -> int:
@@ -156,7 +202,8 @@ def forward_flops(
         mode: ``"student"`` (inference: causal router, top-k/threshold) or ``"teacher"`` (training forward;
             adds MoD router / PriorFFN / TPN, and STT's dense teacher pass in ``teacher_pass``).
         selected: tokens per row that run each routed layer (default floor(γ·T)); for a ragged threshold
-            selection pass the padded count (the executor pads rows to the largest count).
+            selection pass the padded count (the executor pads rows to the largest count), or the measured
+            executed fraction × T (a float) for the ideal count of a measured selection.
 
     Returns:
         Dict with ``block_linear``, ``attention``, ``lm_head``, ``routers``, ``teacher_pass`` (no-grad FLOPs,
@@ -165,14 +212,24 @@ def forward_flops(
     T = seq_len
     gammas = routing.gamma_of()
     selected = dict(selected or {})
+    dropped = set(routing.dropped_layers)
     out = dict(block_linear=0, attention=0, lm_head=0, routers=0, teacher_pass=0)
     for layer in range(shape.num_layers):
+        if layer in dropped:
+            continue  # layerdrop: the layer runs on no token
         if layer in gammas:
             k = selected.get(layer, num_selected(gammas[layer], T))
             out["block_linear"] += k * shape.block_linear_flops_per_token
-            out["attention"] += shape.attention_flops(k, k)
+            if routing.skipped_tokens_write_kv:
+                # Skipped tokens still project k, v (and write them); selected queries attend over every token.
+                out["block_linear"] += (T - k) * routing.kv_projection_flops_per_token(shape)
+                out["attention"] += shape.attention_flops(k, T)
+            else:
+                out["attention"] += shape.attention_flops(k, k)
             out["routers"] += T * routing.causal_router_flops_per_token(shape)
-            out["routers"] += T * routing.mod_router_flops_per_token(shape)
+            out["routers"] += T * routing.mod_router_flops_per_token(shape, mode)
+            if mode == "student" and routing.predicts_skipped:
+                out["routers"] += (T - k) * routing.predictor_flops_per_token(shape)
             if mode == "teacher" and routing.variant == "stt":
                 out["teacher_pass"] += T * shape.block_linear_flops_per_token + shape.attention_flops(T, T)
                 out["routers"] += T * routing.predictor_flops_per_token(shape)
@@ -273,10 +330,14 @@ def decode_step_bytes(
     bpv = bytes_per_value
     traffic = DecodeStepTraffic()
     for layer in range(shape.num_layers):
+        if layer in routing.dropped_layers:
+            continue
         if layer in gammas:
             g = gammas[layer]
             p_run = runs.get(layer, 1.0 - (1.0 - g) ** batch)
-            entries = kv_entries.get(layer, batch * g * g * context)
+            # With skipped_tokens_write_kv the cache holds every token: a running row reads all of them.
+            held = context if routing.skipped_tokens_write_kv else g * context
+            entries = kv_entries.get(layer, batch * g * held)
             traffic.block_weights += p_run * shape.block_params * bpv
             traffic.kv += entries * shape.kv_values_per_token * bpv
             traffic.routers += routing.router_params_per_layer(shape) * bpv
@@ -320,23 +381,102 @@ def decode_step_flops(
     attn_per_key = 4 * shape.num_heads * shape.head_dim
     total = 0.0
     for layer in range(shape.num_layers):
+        if layer in routing.dropped_layers:
+            continue
         if layer in gammas:
             g = gammas[layer]
-            total += rows.get(layer, batch * g) * shape.block_linear_flops_per_token
-            total += attn_per_key * kv_entries.get(layer, batch * g * g * context)
+            running = rows.get(layer, batch * g)
+            held = context if routing.skipped_tokens_write_kv else g * context
+            total += running * shape.block_linear_flops_per_token
+            total += attn_per_key * kv_entries.get(layer, batch * g * held)
             total += batch * (routing.causal_router_flops_per_token(shape) + routing.mod_router_flops_per_token(shape))
+            if routing.skipped_tokens_write_kv:
+                total += (batch - running) * routing.kv_projection_flops_per_token(shape)
+            if routing.predicts_skipped:
+                total += (batch - running) * routing.predictor_flops_per_token(shape)
         else:
             total += batch * (shape.block_linear_flops_per_token + attn_per_key * context)
     return total + batch * shape.lm_head_flops_per_token
 
 
+def kv_stored_fraction(shape: ModelShape, routing: RoutingShape, executed_fraction: Dict[int, float]) -> Dict[int, float]:
+    """Share of the tokens whose K/V each layer keeps: 1 for a standard layer, 0 for a dropped one, γ̄_l for a
+    routed one (1 with ``skipped_tokens_write_kv``)."""
+    stored = {}
+    for layer in range(shape.num_layers):
+        if layer in routing.dropped_layers:
+            stored[layer] = 0.0
+        elif layer in routing.routed_layers and not routing.skipped_tokens_write_kv:
+            stored[layer] = float(executed_fraction.get(layer, 1.0))
+        else:
+            stored[layer] = 1.0
+    return stored
+
+
 def kv_cache_ratio(shape: ModelShape, routing: RoutingShape, executed_fraction: Dict[int, float]) -> float:
     """Whole-model KV bytes routed/dense when routed layer l holds γ̄_l of the tokens: with half the layers
     routed at a common γ̄ this is (1 + γ̄)/2."""
-    total = 0.0
-    for layer in range(shape.num_layers):
-        total += executed_fraction.get(layer, 1.0) if layer in routing.routed_layers else 1.0
-    return total / shape.num_layers
+    return sum(kv_stored_fraction(shape, routing, executed_fraction).values()) / shape.num_layers
+
+
+def kv_bytes_per_token(shape: ModelShape, routing: RoutingShape, executed_fraction: Dict[int, float], *,
+                       bytes_per_value: int) -> float:
+    """KV-cache bytes per token of context, all layers (K and V of every KV head)."""
+    stored = sum(kv_stored_fraction(shape, routing, executed_fraction).values())
+    return stored * shape.kv_values_per_token * bytes_per_value
+
+
+def distillation_teacher_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """A frozen dense teacher's forward per training token (recipe ``distillation`` with weight > 0)."""
+    return forward_flops(shape, RoutingShape.dense(), seq_len)["total"] / seq_len
+
+
+def per_token_compute(
+    shape: ModelShape,
+    routing: RoutingShape,
+    seq_len: int,
+    executed_fraction: Optional[Dict[int, float]] = None,
+    *,
+    bytes_per_value: int = 4,
+    distillation_weight: float = 0.0,
+    distillation_seq_len: Optional[int] = None,
+) -> Dict[str, object]:
+    """Deployed (student) forward FLOPs and KV bytes per token at ``seq_len``, with the measured executed
+    fraction of each routed layer (default: its capacity γ), against the dense model of the same shape.
+
+    The executed count of routed layer l is f_l·T (a real number: the ideal cost of the measured selection,
+    without the padding that ragged threshold selections add in a batched executor).
+    """
+    fractions = {layer: float(f) for layer, f in (executed_fraction or {}).items()}
+    gammas = routing.gamma_of()
+    missing = sorted(set(gammas) - set(fractions))
+    fractions.update({layer: gammas[layer] for layer in missing})
+    selected = {layer: fractions[layer] * seq_len for layer in gammas}
+    fwd = forward_flops(shape, routing, seq_len, selected=selected)
+    dense = forward_flops(shape, RoutingShape.dense(), seq_len)
+    kv = kv_bytes_per_token(shape, routing, fractions, bytes_per_value=bytes_per_value)
+    dense_kv = kv_bytes_per_token(shape, RoutingShape.dense(), {}, bytes_per_value=bytes_per_value)
+    out: Dict[str, object] = {
+        "seq_len": seq_len,
+        "forward_flops_per_token": fwd["total"] / seq_len,
+        "dense_forward_flops_per_token": dense["total"] / seq_len,
+        "forward_flops_ratio": fwd["total"] / dense["total"],
+        "forward_flops_by_category_per_token": {k: v / seq_len for k, v in fwd.items() if k not in ("total", "teacher_pass")},
+        "kv_bytes_per_token": kv,
+        "dense_kv_bytes_per_token": dense_kv,
+        "kv_bytes_ratio": kv / dense_kv,
+        "bytes_per_value": bytes_per_value,
+        "executed_fraction_used": {str(layer): fractions[layer] for layer in sorted(gammas)},
+        "executed_fraction_nominal_layers": missing,
+        "routed_layers": list(routing.routed_layers),
+        "dropped_layers": list(routing.dropped_layers),
+        "skipped_tokens_write_kv": routing.skipped_tokens_write_kv,
+        "skip_update": routing.skip_update,
+        "distillation_teacher_flops_per_token": (
+            distillation_teacher_flops_per_token(shape, distillation_seq_len or seq_len) if distillation_weight > 0 else 0.0
+        ),
+    }
+    return out
 
 
 # ---- shapes of the package's builders ------------------------------------------------------------
@@ -359,22 +499,102 @@ def model_shape(size: str, vocab_size: Optional[int] = None) -> ModelShape:
     )
 
 
+#: Model-config keys that describe the architecture (or LoRA), not the routing.
+ARCH_KEYS = ("_component_", "variant", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "embed_dim",
+             "intermediate_dim", "max_seq_len", "attn_dropout", "norm_eps", "rope_base", "tie_word_embeddings")
+LORA_KEYS = ("lora_attn_modules", "apply_lora_to_mlp", "lora_rank", "lora_alpha", "lora_dropout", "use_dora",
+             "quantize_base")
+#: Technique keys read here with their meaning when absent (today's behaviour).
+OPTION_DEFAULTS = {"dropped_layers": (), "skipped_tokens_write_kv": False, "skip_update": "none"}
+
+
+def variant_of_model_config(model: Mapping) -> str:
+    """``variant:`` of the component builders, else the builder's name (``stt_qwen2_5_tiny``, ``lora_mod_…``)."""
+    if model.get("variant") is not None:
+        return str(model["variant"])
+    builder = str(model["_component_"]).rsplit(".", 1)[-1]
+    return builder.removeprefix("lora_").split("_", 1)[0]
+
+
+def model_shape_from_config(model: Mapping) -> ModelShape:
+    """:class:`ModelShape` of a recipe's ``model`` section: the architecture keys of ``routed_qwen2`` configs,
+    else the size named by a ``{variant}_qwen2_5_{size}`` builder (``vocab_size`` as the config gives it)."""
+    if "num_layers" in model:
+        return ModelShape(
+            vocab_size=int(model["vocab_size"]),
+            num_layers=int(model["num_layers"]),
+            num_heads=int(model["num_heads"]),
+            num_kv_heads=int(model["num_kv_heads"]),
+            embed_dim=int(model["embed_dim"]),
+            intermediate_dim=int(model["intermediate_dim"]),
+            tie_word_embeddings=bool(model.get("tie_word_embeddings", True)),
+        )
+    builder = str(model["_component_"]).rsplit(".", 1)[-1]
+    if "_qwen2_5_" not in builder:
+        raise ValueError(f"cannot tell the architecture of model component {model['_component_']!r}")
+    size = builder.split("_qwen2_5_", 1)[1]
+    vocab = model.get("vocab_size")
+    return model_shape(size, vocab_size=int(vocab) if vocab is not None else None)
+
+
+def _resolve_layers(value, num_layers: int) -> Tuple[int, ...]:
+    from torchtune_dtf.models.routing_config import PLACEMENTS
+
+    if isinstance(value, str):
+        if value not in PLACEMENTS:
+            raise ValueError(f"unknown routed_layers placement {value!r}; known: {sorted(PLACEMENTS)}")
+        return tuple(PLACEMENTS[value](num_layers))
+    return tuple(sorted(int(i) for i in value))
+
+
+def routing_shape_from_model_config(model: Mapping, num_layers: int, embed_dim: int) -> RoutingShape:
+    """:class:`RoutingShape` of a recipe's ``model`` section, for every variant and technique option the closed
+    form knows (module docstring), including keys the model validator may not know yet; absent option keys mean
+    today's behaviour. Values are not validated here (the model builder does that when it builds)."""
+    from torchtune_dtf.modules.predictors import predictor_width
+
+    variant = variant_of_model_config(model)
+    routing = {k: v for k, v in model.items() if k not in ARCH_KEYS and k not in LORA_KEYS}
+    options = {k: routing.pop(k, default) for k, default in OPTION_DEFAULTS.items()}
+    dropped = tuple(sorted(int(i) for i in (options["dropped_layers"] or ())))
+    common = dict(dropped_layers=dropped, skipped_tokens_write_kv=bool(options["skipped_tokens_write_kv"]),
+                  skip_update=str(options["skip_update"] or "none"))
+    if variant in ("dense", "layerdrop") or "routed_layers" not in routing:
+        if variant not in ("dense", "layerdrop"):
+            raise ValueError(f"model config of variant {variant!r} has no routed_layers")
+        return RoutingShape(variant=variant, **common)
+    layers = _resolve_layers(routing["routed_layers"], num_layers)
+    capacity = routing["capacity"]
+    if isinstance(capacity, (int, float)):
+        capacities = (float(capacity),) * len(layers)
+    else:
+        capacities = tuple(float(c) for c in capacity)
+        if len(capacities) == 1:
+            capacities = capacities * len(layers)
+    if len(capacities) != len(layers):
+        raise ValueError(f"capacity lists {len(capacities)} values for {len(layers)} routed layers")
+    has_router = variant in ("mod", "sdt", "stt")
+    return RoutingShape(
+        variant=variant,
+        routed_layers=layers,
+        capacity=capacities,
+        router_hidden=int(routing["causal_router_hidden_dim"]) if has_router else 0,
+        router_inputs=2 if routing.get("causal_router_input") == "current_previous" else 1,
+        predictor_width=predictor_width(routing["prior_factor"], embed_dim) if variant in ("sdt", "stt") else 0,
+        mod_router_at_inference=routing.get("gate", "scaled") == "scaled",
+        **common,
+    )
+
+
 def routing_shape(variant: str, num_layers: int, embed_dim: int, routing: Dict) -> RoutingShape:
-    """:class:`RoutingShape` from a builder's routing kwargs, resolved by the package's own validator."""
+    """:class:`RoutingShape` from a builder's routing kwargs, checked by the package's own validator first."""
     if variant == "dense":
         return RoutingShape.dense()
     from torchtune_dtf.models.routing_config import validate_routing
-    from torchtune_dtf.modules.predictors import predictor_width
 
     spec = validate_routing(variant, num_layers, **routing)
-    return RoutingShape(
-        variant=variant,
-        routed_layers=tuple(spec.routed_layers),
-        capacity=tuple(spec.capacity),
-        router_hidden=spec.causal_router_hidden_dim,
-        router_inputs=2 if spec.causal_router_input == "current_previous" else 1,
-        predictor_width=predictor_width(spec.prior_factor, embed_dim) if variant in ("sdt", "stt") else 0,
-    )
+    resolved = {**routing, "routed_layers": list(spec.routed_layers), "capacity": list(spec.capacity)}
+    return routing_shape_from_model_config({**resolved, "variant": variant}, num_layers, embed_dim)
 
 
 def every_other(shape: ModelShape, variant: str, gamma: float, *, router_hidden: int = 256, router_inputs: int = 1,

@@ -5,7 +5,7 @@
 # takes it; a bare `torch` or a range would pull the registry's newest CUDA build (several GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras=${1:-eval,quickstart}
+extras=${1:-eval,quickstart,experiments}
 PY=${PYTHON:-python3}
 echo "== using $($PY --version 2>&1) at $(command -v "$PY")"
 if [ ! -x .venv/bin/python ]; then

@@ -6,6 +6,7 @@ paths, never asserted.
 """
 
 import math
+from pathlib import Path
 import statistics
 
 import pytest
@@ -177,3 +178,160 @@ def test_layer_timing_stamps_every_layer_inside_training_steps():
         assert all(t > 0 for t in r["fwd_layers"] + r["bwd_layers"])
         assert sum(r["fwd_layers"]) + sum(r["bwd_layers"]) + r["opt"] < r["step"]
     assert (torch.tensor([1e-40]) * torch.tensor([1.0])).item() > 0  # flush-to-zero restored
+
+
+# ---- per-token compute of the study driver: variants and technique options ----------------------------
+
+
+@pytest.mark.parametrize("variant,gate", [("dense", None), ("mod", "scaled"), ("mod", "straight_through"),
+                                          ("stt", "straight_through")])
+def test_per_token_compute_matches_flop_counter_at_measured_fractions(dense, variant, gate):
+    """What the study driver reports: student forward at the measured executed fraction of each routed layer
+    (threshold routing, one row so no padding) against FlopCounterMode. MoD's router runs at inference only
+    with the scaled gate."""
+    from benchmarks.common import calibrate_student_threshold
+    from torchtune_dtf.modules import RoutingContext
+
+    shape = cf.model_shape("tiny")
+    T = 48
+    tokens = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
+    routing = routing_for(variant, capacity=0.5, student="threshold", **({"gate": gate} if gate else {}))
+    model = build_like(dense, variant, "tiny", **routing)
+    fractions = calibrate_student_threshold(model, tokens, 0.4) if variant != "dense" else {}
+    with torch.no_grad(), flop_counter() as counter:
+        ctx = RoutingContext(mode="student")
+        model(tokens, routing=ctx)
+    measured = categorize_flops(counter)
+    assert fractions == {i: r.selected_fraction.item() for i, r in ctx.layers.items()}
+    assert all(0 < f < 1 for f in fractions.values())
+    rshape = cf.routing_shape_from_model_config({"variant": variant, **routing}, shape.num_layers, shape.embed_dim)
+    out = cf.per_token_compute(shape, rshape, T, fractions)
+    assert out["forward_flops_per_token"] * T == pytest.approx(measured["total"], rel=1e-9)
+    for key, value in out["forward_flops_by_category_per_token"].items():
+        assert value * T == pytest.approx(measured[key], rel=1e-9, abs=1e-6), key
+    dense_total = categorize_flops_of(dense, tokens)
+    assert out["dense_forward_flops_per_token"] * T == dense_total
+    if variant == "dense":
+        assert out["forward_flops_ratio"] == 1 and out["kv_bytes_ratio"] == 1
+    else:
+        assert out["forward_flops_ratio"] < 1
+        stored = [1.0 if i not in fractions else fractions[i] for i in range(shape.num_layers)]
+        assert out["kv_bytes_ratio"] == pytest.approx(sum(stored) / shape.num_layers)
+        # (the routers category matched above: MoD's straight-through gate leaves its linear router out)
+        assert (rshape.mod_router_flops_per_token(shape) > 0) == (variant == "mod" and gate == "scaled")
+
+
+def categorize_flops_of(model, tokens) -> int:
+    with torch.no_grad(), flop_counter() as counter:
+        model(tokens)
+    return categorize_flops(counter)["total"]
+
+
+TOY = cf.ModelShape(vocab_size=10, num_layers=4, num_heads=4, num_kv_heads=2, embed_dim=8, intermediate_dim=16)
+
+
+def _toy_model(variant, **keys):
+    base = dict(variant=variant, vocab_size=10, num_layers=4, num_heads=4, num_kv_heads=2, embed_dim=8,
+                intermediate_dim=16, tie_word_embeddings=True)
+    if variant not in ("dense", "layerdrop"):
+        base.update(routed_layers=[1, 3], capacity=0.5, causal_router_hidden_dim=6,
+                    causal_router_input="current_previous", gate="scaled", prior_factor=0.5)
+    return {**base, **keys}
+
+
+def _rshape(variant, **keys):
+    return cf.routing_shape_from_model_config(_toy_model(variant, **keys), TOY.num_layers, TOY.embed_dim)
+
+
+def test_model_and_routing_shape_from_configs():
+    from omegaconf import OmegaConf
+
+    repo = Path(__file__).resolve().parents[1]
+    model = OmegaConf.to_container(OmegaConf.load(repo / "configs/quickstart/stt_smollm2.yaml").model)
+    shape = cf.model_shape_from_config(model)
+    assert (shape.num_layers, shape.embed_dim, shape.num_kv_heads, shape.vocab_size) == (30, 576, 3, 49152)
+    rshape = cf.routing_shape_from_model_config(model, shape.num_layers, shape.embed_dim)
+    assert rshape.routed_layers == tuple(range(1, 29, 2)) and rshape.capacity == (0.5,) * 14
+    assert (rshape.router_inputs, rshape.router_hidden, rshape.predictor_width) == (2, 64, 36)
+    # today's configs carry none of the option keys: their meaning when absent
+    assert (rshape.dropped_layers, rshape.skipped_tokens_write_kv, rshape.skip_update) == ((), False, "none")
+    routing = {k: v for k, v in model.items() if k not in cf.ARCH_KEYS}
+    assert cf.routing_shape("stt", 30, 576, routing) == rshape
+    tiny = OmegaConf.to_container(OmegaConf.load(repo / "configs/tiny/mod_train.yaml").model)
+    assert cf.model_shape_from_config(tiny) == cf.model_shape("tiny", vocab_size=151936)
+    assert cf.variant_of_model_config(tiny) == "mod"
+    layerdrop = cf.routing_shape_from_model_config(_toy_model("layerdrop", dropped_layers=[3, 1]), 4, 8)
+    assert layerdrop.dropped_layers == (1, 3) and layerdrop.routed_layers == ()
+
+
+def test_layerdrop_formula():
+    T = 8
+    rshape = _rshape("layerdrop", dropped_layers=[1, 3])
+    f = cf.forward_flops(TOY, rshape, T)
+    dense = cf.forward_flops(TOY, cf.RoutingShape.dense(), T)
+    assert f["block_linear"] == dense["block_linear"] // 2 and f["attention"] == dense["attention"] // 2
+    assert f["routers"] == 0 and f["lm_head"] == dense["lm_head"]
+    out = cf.per_token_compute(TOY, rshape, T)
+    assert out["kv_bytes_ratio"] == 0.5
+    assert out["kv_bytes_per_token"] == 2 * TOY.kv_values_per_token * 4
+    assert out["forward_flops_ratio"] == pytest.approx((dense["total"] - dense["block_linear"] / 2 - dense["attention"] / 2)
+                                                      / dense["total"])
+
+
+def test_random_routing_has_no_router_flops():
+    T = 8
+    rnd, mod = _rshape("random"), _rshape("mod")
+    f, m = cf.forward_flops(TOY, rnd, T), cf.forward_flops(TOY, mod, T)
+    assert f["routers"] == 0 and m["routers"] > 0
+    assert (f["block_linear"], f["attention"]) == (m["block_linear"], m["attention"])
+    assert rnd.router_params_per_layer(TOY) == 0
+    assert cf.forward_flops(TOY, rnd, T, mode="teacher")["routers"] == 0
+
+
+@pytest.mark.parametrize("variant", ["mod", "sdt", "stt", "random"])
+def test_skipped_tokens_write_kv_formula(variant):
+    T, k = 8, 4  # γ = 0.5 on layers 1 and 3
+    plain, ctx = _rshape(variant), _rshape(variant, skipped_tokens_write_kv=True)
+    f_plain, f_ctx = cf.forward_flops(TOY, plain, T), cf.forward_flops(TOY, ctx, T)
+    kv_proj = 2 * 8 * (2 * 2 * 2)  # 2·d·(2·n_kv·h_d), d = 8, n_kv = 2, h_d = 2
+    assert ctx.kv_projection_flops_per_token(TOY) == kv_proj
+    assert f_ctx["block_linear"] - f_plain["block_linear"] == 2 * (T - k) * kv_proj
+    # selected queries over all T keys instead of the k selected ones
+    assert f_ctx["attention"] - f_plain["attention"] == 2 * (TOY.attention_flops(k, T) - TOY.attention_flops(k, k))
+    assert f_ctx["routers"] == f_plain["routers"]
+    out = cf.per_token_compute(TOY, ctx, T, {1: 0.25, 3: 0.75})
+    assert out["kv_bytes_ratio"] == 1.0  # every layer keeps every token's K/V
+    assert cf.per_token_compute(TOY, plain, T, {1: 0.25, 3: 0.75})["kv_bytes_ratio"] == pytest.approx((2 + 1) / 4)
+    assert cf.kv_cache_ratio(TOY, ctx, {1: 0.5, 3: 0.5}) == 1.0
+
+
+@pytest.mark.parametrize("variant", ["sdt", "stt"])
+def test_predicted_skip_update_formula(variant):
+    T, k = 8, 4
+    plain, pred = _rshape(variant), _rshape(variant, skip_update="predicted")
+    d_p = 4  # predictor_width(0.5, 8)
+    assert pred.predictor_width == d_p
+    student = cf.forward_flops(TOY, pred, T)["routers"] - cf.forward_flops(TOY, plain, T)["routers"]
+    assert student == 2 * (T - k) * 6 * 8 * d_p  # two routed layers, T − k skipped tokens each
+    # in training the predictor already runs on every token: nothing extra
+    assert cf.forward_flops(TOY, pred, T, mode="teacher") == cf.forward_flops(TOY, plain, T, mode="teacher")
+    # MoD has no predictor: the key changes nothing
+    assert cf.forward_flops(TOY, _rshape("mod", skip_update="predicted"), T) == cf.forward_flops(TOY, _rshape("mod"), T)
+
+
+def test_mod_router_runs_at_inference_only_with_the_scaled_gate():
+    T = 8
+    scaled, st = _rshape("mod"), _rshape("mod", gate="straight_through")
+    diff = cf.forward_flops(TOY, scaled, T)["routers"] - cf.forward_flops(TOY, st, T)["routers"]
+    assert diff == 2 * T * 2 * 8  # two layers, T tokens, Linear(d → 1)
+    assert cf.forward_flops(TOY, scaled, T, mode="teacher") == cf.forward_flops(TOY, st, T, mode="teacher")
+
+
+def test_distillation_teacher_flops_reported_apart():
+    T = 8
+    rshape = _rshape("stt")
+    plain = cf.per_token_compute(TOY, rshape, T)
+    distilled = cf.per_token_compute(TOY, rshape, T, distillation_weight=0.5, distillation_seq_len=16)
+    assert plain["distillation_teacher_flops_per_token"] == 0.0
+    assert distilled["distillation_teacher_flops_per_token"] == cf.forward_flops(TOY, cf.RoutingShape.dense(), 16)["total"] / 16
+    assert distilled["forward_flops_per_token"] == plain["forward_flops_per_token"]

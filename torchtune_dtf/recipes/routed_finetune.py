@@ -609,6 +609,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self._optimizer.zero_grad()
         parts_sum: Dict[str, float] = {}
         num_tokens = 0
+        tokens_since_log = 0  # the `tokens` metric: summed over the log lines, the run's training tokens
         step_start = time.perf_counter()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
             self._dataloader.sampler.set_epoch(curr_epoch)
@@ -638,6 +639,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                 self._optimizer.zero_grad(set_to_none=True)
                 self._lr_scheduler.step()
                 self.global_step += 1
+                tokens_since_log += num_tokens
                 pbar.update(1)
                 pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {parts_sum['lm']:.4f}")
 
@@ -645,6 +647,9 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                     elapsed = time.perf_counter() - step_start
                     metrics = {f"loss/{k}": v for k, v in parts_sum.items()}
                     metrics["tokens_per_second"] = num_tokens * self.world_size / max(elapsed, 1e-9)
+                    # Target tokens trained on since the previous log line (all ranks; this rank's count × ranks).
+                    metrics["tokens"] = tokens_since_log * self.world_size
+                    tokens_since_log = 0
                     for group in self._optimizer.param_groups:
                         metrics[f"lr/{group['name']}"] = group["lr"]
                     if grad_norm is not None:

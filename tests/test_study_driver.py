@@ -1,0 +1,291 @@
+"""The experiment driver (experiments/study.py) end to end on a micro study of the tiny model, offline.
+
+Fast path: dense + STT, one seed of two, 2 steps each, no eleuther step: the run JSONs' fields, a rerun that
+skips finished runs (no retraining), and the aggregate README (tables, paired differences, partial study, plots).
+Slow paths: the stock eleuther_eval step; a study killed mid-training and resumed from its checkpoint.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STUDY_PY = REPO / "experiments" / "study.py"
+TINY = REPO / "configs" / "tiny"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def load_driver():
+    spec = importlib.util.spec_from_file_location("study_driver", STUDY_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from tests.test_recipe import write_tiny_hf_checkpoint
+    from torchtune_dtf.data.tokenizer_assets import write_qwen2_5_tokenizer_files
+
+    root = tmp_path_factory.mktemp("study_assets")
+    write_qwen2_5_tokenizer_files(root / "qwen2_5_tokenizer")
+    write_tiny_hf_checkpoint(root / "tiny_qwen2_5_hf")
+    shutil.copy(REPO / "tests" / "assets" / "tiny_corpus.jsonl", root / "corpus.jsonl")
+    shutil.copytree(REPO / "tests" / "assets" / "lm_eval_tasks", root / "lm_eval_tasks")
+    return root
+
+
+@pytest.fixture
+def workdir(assets, tmp_path):
+    for name in ("qwen2_5_tokenizer", "tiny_qwen2_5_hf", "corpus.jsonl", "lm_eval_tasks"):
+        os.symlink(assets / name, tmp_path / name)
+    return tmp_path
+
+
+def write_study(workdir: Path, *, seeds, runs, budget=None, eleuther=None, points=2, **extra) -> Path:
+    study = {
+        "name": "micro",
+        "out_dir": "out",
+        "work_dir": "work",
+        "seeds": seeds,
+        "budget": budget or {"max_steps_per_epoch": 2},
+        "validation_points": points,
+        "heldout": {"file": "corpus.jsonl", "windows": 4, "seq_len": 32, "batch_size": 2},
+        "eleuther": eleuther,
+        "baselines": ["dense"] if any(r["name"] == "dense" for r in runs) else [],
+        "runs": runs,
+        **extra,
+    }
+    path = workdir / "study.yaml"
+    path.write_text(json.dumps(study, indent=1))  # JSON is YAML
+    return path
+
+
+def driver(workdir: Path, *args, **popen) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run([sys.executable, str(STUDY_PY), *args], cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=900, **popen)
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+RUNS = [
+    {"name": "dense", "config": str(TINY / "dense_train.yaml")},
+    {"name": "stt", "config": str(TINY / "stt_train.yaml"), "overrides": {"model.gate": "straight_through"}},
+    {"name": "mod", "config": str(TINY / "mod_train.yaml")},  # in the study, never run here: "missing"
+]
+
+
+def check_run_json(result, name, seed, variant):
+    assert result["schema"] == "study_run/1" and (result["name"], result["seed"], result["variant"]) == (name, seed, variant)
+    assert result["config"]["seed"] == seed and result["config"]["checkpointer"]["routing_init_seed"] == seed
+    assert result["config"]["max_steps_per_epoch"] == 2 and result["steps"] == 2 and result["planned_steps"] == 2
+    assert result["train_tokens"] > 0 and result["train_attempts"][0]["mode"] == "fresh"
+    wall = result["wall_time_s"]
+    assert wall["train"] > 0 and wall["heldout_eval"] > 0 and wall["eval"] >= wall["heldout_eval"]
+    curves = result["curves"]
+    assert curves["steps"] == [1, 2]
+    for key in ("loss/lm", "val/lm_loss_student", "val/lm_loss_teacher", "tokens", "lr/backbone"):
+        assert all(finite(v) for v in curves["series"][key]), key
+    assert sum(curves["series"]["tokens"]) == result["train_tokens"]
+    heldout = result["heldout"]
+    assert heldout["tokens"] == 4 * 31 and finite(heldout["student_loss"]) and heldout["student_loss"] > 0
+    compute = result["compute"]
+    for key in ("forward_flops_per_token", "dense_forward_flops_per_token", "forward_flops_ratio", "kv_bytes_per_token",
+                "dense_kv_bytes_per_token", "kv_bytes_ratio"):
+        assert finite(compute[key]) and compute[key] > 0, key
+    assert compute["seq_len"] == 32 and compute["distillation_teacher_flops_per_token"] == 0
+    assert result["eleuther"] is None and result["wall_time_s"]["eleuther"] is None
+
+
+def test_micro_study_end_to_end(workdir):
+    study = write_study(workdir, seeds=[0, 1], runs=RUNS)
+    proc = driver(workdir, "run", str(study), "--only", "dense", "stt", "--seeds", "0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = workdir / "out"
+    dense = json.loads((out / "runs" / "dense__seed0.json").read_text())
+    stt = json.loads((out / "runs" / "stt__seed0.json").read_text())
+    check_run_json(dense, "dense", 0, "dense")
+    check_run_json(stt, "stt", 0, "stt")
+
+    # dense: every layer runs; no teacher, no routed layer
+    assert dense["compute"]["forward_flops_ratio"] == 1 and dense["compute"]["kv_bytes_ratio"] == 1
+    assert dense["heldout"]["teacher_loss"] is None and dense["executed_fraction"] == {}
+    # STT: the student runs part of the tokens of layers 1 and 3; FLOPs and KV below dense
+    assert set(stt["executed_fraction"]) == {"1", "3"}
+    assert all(0 < f <= 1 for f in stt["executed_fraction"].values())
+    assert stt["compute"]["executed_fraction_used"] == stt["executed_fraction"]
+    assert stt["compute"]["forward_flops_ratio"] < 1 and stt["compute"]["kv_bytes_ratio"] < 1
+    assert stt["compute"]["dense_forward_flops_per_token"] == dense["compute"]["forward_flops_per_token"]
+    assert finite(stt["heldout"]["teacher_loss"]) and stt["heldout"]["teacher_beta"] == {"ce": 100.0, "cu": 100.0}
+    assert stt["config"]["model"]["gate"] == "straight_through"  # the run's override reached the recipe
+    assert 0 <= stt["layers"]["1"]["teacher/agreement_accuracy"] <= 1
+    assert set(stt["routing_stats"]) == {"layer_1", "layer_3"}
+    assert set(stt["routing_stats"]["layer_1"]["selected_fraction"]) == {"mean", "first", "last"}
+    assert any(k.startswith("routing/layer_1/") for k in stt["curves"]["series"])
+
+    # Rerun: finished runs are skipped, nothing is retrained or rewritten.
+    files = [out / "runs" / "dense__seed0.json", out / "runs" / "stt__seed0.json",
+             workdir / "work" / "runs" / "stt__seed0" / "epoch_0" / "model-00001-of-00001.safetensors"]
+    mtimes = [p.stat().st_mtime_ns for p in files]
+    logs = sorted((workdir / "work" / "logs").rglob("train_*.log"))
+    proc = driver(workdir, "run", str(study), "--only", "dense", "stt", "--seeds", "0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("done, skipped") == 2 and "training" not in proc.stdout
+    assert [p.stat().st_mtime_ns for p in files] == mtimes
+    assert sorted((workdir / "work" / "logs").rglob("train_*.log")) == logs
+
+    # The aggregate of this partial study: seed 1 missing everywhere, `mod` absent.
+    readme = (out / "README.md").read_text()
+    assert "PARTIAL" in readme
+    assert "`mod`: no seed finished" in readme and "`stt`: seeds [1] missing" in readme
+    runs_table = readme.split("## Runs")[1].split("## Paired")[0]
+    rows = {line.split("|")[1].strip(): line for line in runs_table.splitlines() if line.startswith("| `")}
+    assert {"`dense`", "`stt`", "`mod`"} <= set(rows)
+    assert "1/2 (partial)" in rows["`stt`"] and "none (missing)" in rows["`mod`"]
+    assert "## Paired differences against `dense`" in readme
+    for plot in ("frontier.png", "curves.png", "validation.png", "executed_fraction.png"):
+        data = (out / plot).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, plot
+        assert f"]({plot})" in readme
+
+    # A second seed (here: copies with shifted losses) gives paired differences with a t-interval.
+    for name, shift in (("dense", 0.0), ("stt", 0.3)):
+        result = json.loads((out / "runs" / f"{name}__seed0.json").read_text())
+        result["seed"] = 1
+        result["heldout"]["student_loss"] += shift
+        (out / "runs" / f"{name}__seed1.json").write_text(json.dumps(result))
+    proc = driver(workdir, "aggregate", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    readme = (out / "README.md").read_text()
+    paired = [line for line in readme.split("## Paired differences against `dense`")[1].splitlines()
+              if line.startswith("| `stt`")]
+    assert len(paired) == 1
+    cells = [c.strip() for c in paired[0].strip("|").split("|")]
+    diff0 = stt["heldout"]["student_loss"] - dense["heldout"]["student_loss"]
+    assert cells[1] == "2" and float(cells[2]) == pytest.approx(diff0 + 0.15, abs=1e-3)
+    low, high = (float(x) for x in cells[4].strip("[]").split(","))
+    half = 12.706 * 0.15  # t_{0.975,1} × SE, SE = sd/√2 = 0.3/√2/√2
+    assert (low, high) == pytest.approx((diff0 + 0.15 - half, diff0 + 0.15 + half), abs=2e-3)
+    assert "`mod`: no seed finished" in readme and "`stt`: seeds [1] missing" not in readme
+
+
+@pytest.mark.slow
+def test_study_eleuther_step(workdir):
+    eleuther = {"config": str(TINY / "eval_stt.yaml"), "tasks": ["tiny_routed_mc"], "limit": None}
+    study = write_study(workdir, seeds=[0], runs=[RUNS[1]], eleuther=eleuther, keep_checkpoints=False)
+    proc = driver(workdir, "run", str(study))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((workdir / "out" / "runs" / "stt__seed0.json").read_text())
+    el = result["eleuther"]
+    assert el["tasks"] == ["tiny_routed_mc"] and 0 <= el["results"]["tiny_routed_mc"]["acc"] <= 1
+    assert el["mc_acc"] == el["results"]["tiny_routed_mc"]["acc"]
+    assert result["wall_time_s"]["eleuther"] > 0
+    # The eval config is the run's model on its final checkpoint, evaluated with the template's settings.
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(el["config"])
+    assert cfg.model.gate == "straight_through" and cfg.checkpointer.checkpoint_dir.endswith("stt__seed0/epoch_0")
+    assert Path(cfg.include_path).is_absolute() and Path(cfg.tokenizer.path).is_absolute()
+    # nothing was fetched: the study's private HF cache holds only the gpt2 stand-in
+    hub = workdir / "work" / "hf_home" / "hub"
+    assert sorted(p.name for p in hub.iterdir() if p.name.startswith("models--")) == ["models--gpt2"]
+    assert "| `stt` | 1/1 |" in (workdir / "out" / "README.md").read_text()
+    # keep_checkpoints: False deleted the checkpoint once the JSON was written; a rerun still skips the run
+    assert result["checkpoint_kept"] is False and not (workdir / "work" / "runs" / "stt__seed0" / "epoch_0").exists()
+    proc = driver(workdir, "run", str(study), "--no-aggregate")
+    assert proc.returncode == 0 and "done, skipped" in proc.stdout
+
+
+@pytest.mark.slow
+def test_killed_study_resumes_training_from_its_checkpoint(workdir):
+    budget = {"max_steps_per_epoch": 12, "gradient_accumulation_steps": 1}
+    study = write_study(workdir, seeds=[0], runs=[RUNS[1]], budget=budget, points=4)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.Popen([sys.executable, str(STUDY_PY), "run", str(study), "--no-aggregate"], cwd=workdir, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    manifest = workdir / "work" / "runs" / "stt__seed0" / "epoch_0" / "checkpoint.json"
+    deadline = time.time() + 300
+    try:
+        while not manifest.is_file():  # first checkpoint: step 3 of 12
+            assert proc.poll() is None and time.time() < deadline, "the study ended before its first checkpoint"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its training subprocess, as a crash would
+        proc.wait()
+    killed_at = json.loads(manifest.read_text())["global_step"]
+    assert killed_at < 12
+    assert load_driver().training_state(manifest.parent.parent) == "resume"
+
+    proc = driver(workdir, "run", str(study))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((workdir / "out" / "runs" / "stt__seed0.json").read_text())
+    attempts = result["train_attempts"]
+    assert [a["mode"] for a in attempts] == ["fresh", "resume"] and attempts[0]["interrupted"]
+    assert attempts[1]["returncode"] == 0
+    assert result["wall_time_s"]["train"] == pytest.approx(sum(a["seconds"] for a in attempts))
+    assert result["steps"] == 12 and result["curves"]["steps"] == list(range(1, 13))
+    assert all(finite(v) for v in result["curves"]["series"]["tokens"])
+    assert Path(attempts[1]["log"]).read_text().splitlines()[0].endswith("resume_from_checkpoint=true")
+    # the resumed attempt continued after the checkpoint (its DiskLogger file starts there), it did not restart
+    disk_logs = sorted((workdir / "work" / "runs" / "stt__seed0" / "logs").glob("log_*.txt"))
+    assert len(disk_logs) == 2
+    assert disk_logs[-1].read_text().startswith(f"Step {killed_at + 1} |")
+
+
+def test_training_state_and_schedule(tmp_path):
+    study = load_driver()
+    assert study.training_state(tmp_path / "absent") == "fresh"
+    (tmp_path / "run").mkdir()
+    assert study.training_state(tmp_path / "run") == "fresh"  # no run.json, no checkpoint
+    (tmp_path / "run" / study.DONE_MARKER).write_text("{}")
+    assert study.training_state(tmp_path / "run") == "fresh"  # marker, but the checkpoint was deleted
+    (tmp_path / "run" / "epoch_0").mkdir()
+    assert study.training_state(tmp_path / "run") == "done"
+    assert [study.schedule_every(s, 4) for s in (1, 2, 3, 40, 100, 200, 7)] == [1, 1, 1, 10, 25, 50, 7]
+
+
+def test_aggregate_statistics_and_log_parsing(tmp_path):
+    study = load_driver()
+    pd = study.paired_difference([1.0, 2.0, 3.0])
+    assert pd["mean"] == 2.0 and pd["sd"] == 1.0 and pd["se"] == pytest.approx(1 / math.sqrt(3))
+    assert pd["ci95"] == pytest.approx((2 - 4.303 / math.sqrt(3), 2 + 4.303 / math.sqrt(3)))
+    assert study.paired_difference([0.5])["ci95"] is None
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "log_100.txt").write_text("Step 1 | loss/lm:2.0 tokens:10 \nStep 2 | loss/lm:1.9 tokens:10 \n"
+                                      "Step 2 | val/lm_loss_student:2.5 \nStep 3 | loss/lm:9.9 tokens:10 \n")
+    (logs / "log_200.txt").write_text("Step 3 | loss/lm:1.8 tokens:12 routing/layer_1/selected_fraction:0.5 \n")
+    rows = study.parse_disk_logs(logs)
+    assert rows == {1: {"loss/lm": 2.0, "tokens": 10.0}, 2: {"loss/lm": 1.9, "tokens": 10.0, "val/lm_loss_student": 2.5},
+                    3: {"loss/lm": 1.8, "tokens": 12.0, "routing/layer_1/selected_fraction": 0.5}}
+    curves = study.curves_from_log(rows)
+    assert curves["steps"] == [1, 2, 3] and curves["series"]["val/lm_loss_student"] == [None, 2.5, None]
+    table = ("|    Tasks     |Version|Filter|n-shot| Metric |   |Value|   |Stderr|\n"
+             "|--------------|------:|------|-----:|--------|---|----:|---|-----:|\n"
+             "|tiny_routed_mc|      1|none  |     0|acc     |↑  | 0.25|±  |0.2500|\n"
+             "|              |       |none  |     0|acc_norm|↑  | 0.50|±  |0.2887|\n")
+    assert study.parse_eleuther_table(table) == {"tiny_routed_mc": {"acc": 0.25, "acc_stderr": 0.25, "acc_norm": 0.5,
+                                                                    "acc_norm_stderr": 0.2887}}
+
+
+def test_example_study_dry_run():
+    """The shipped example study loads and plans its commands (no training)."""
+    example = REPO / "experiments" / "studies" / "quickstart_pair.yaml"
+    proc = subprocess.run([sys.executable, str(STUDY_PY), "run", str(example), "--dry-run"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "would train" in line or "done, skipped" in line]
+    assert len(lines) == 2 * 3
+    assert "save_every_n_steps=10" in proc.stdout and "validation.every_n_steps=10" in proc.stdout
