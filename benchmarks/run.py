@@ -489,10 +489,12 @@ def kv_accounting(model, records, shape: cf.ModelShape, context: int) -> Dict:
         if hasattr(cache, "fill"):
             fill = cache.fill.tolist()
             executed = records[i].selected_mask.sum(-1).tolist()
+            # A layer whose skipped tokens write K/V stores every token; otherwise exactly those that ran.
+            expected = [context] * len(fill) if layer.skipped_tokens_write_kv else executed
             layers.append(dict(layer=i, routed=True, entries=fill, executed=executed,
                                occupied_bytes=sum(fill) * per_token,
-                               occupied_matches_executed=fill == executed,
-                               stored_bytes_match=int(cache.fill.sum()) * per_token == sum(executed) * per_token,
+                               occupied_matches_executed=fill == expected,
+                               stored_bytes_match=int(cache.fill.sum()) == sum(expected),
                                allocated_bytes=allocated))
         else:
             layers.append(dict(layer=i, routed=False, entries=[cache.size] * cache.k_cache.shape[0],
@@ -501,18 +503,23 @@ def kv_accounting(model, records, shape: cf.ModelShape, context: int) -> Dict:
     return dict(context=context, per_token_bytes=per_token, layers=layers)
 
 
+#: Routed models of the decode section: (name, variant, routing options). ``stt_kv``: context-preserving
+#: attention (skipped tokens still write K/V), which keeps the dense KV cache and its reads.
+DECODE_MODELS = (("mod", "mod", {}), ("stt", "stt", {}), ("stt_kv", "stt", {"skipped_tokens_write_kv": True}))
+
+
 def section_decode(size: str, plan: Dict, dense) -> Dict:
     shape = cf.model_shape(size)
     models, rshapes, calibration = {"dense": dense}, {}, {}
     calib_tokens = torch.randint(0, shape.vocab_size, (1, plan["calib_seq"]))
-    for variant in ("mod", "stt"):
-        routing = routing_for(variant, capacity=GAMMA, student="threshold")
+    for name, variant, options in DECODE_MODELS:
+        routing = routing_for(variant, capacity=GAMMA, student="threshold", **options)
         model = build_like(dense, variant, size, **routing)
-        calibration[variant] = calibrate_student_threshold(model, calib_tokens, fraction=GAMMA)
-        models[variant] = model
-        rshapes[variant] = shapes_for(size, variant, routing)[1]
-        log(f"decode: calibrated {variant} student bias, selected fractions on calibration text "
-            f"{[round(v, 3) for v in calibration[variant].values()]}")
+        calibration[name] = calibrate_student_threshold(model, calib_tokens, fraction=GAMMA)
+        models[name] = model
+        rshapes[name] = shapes_for(size, variant, routing)[1]
+        log(f"decode: calibrated {name} student bias, selected fractions on calibration text "
+            f"{[round(v, 3) for v in calibration[name].values()]}")
     steps, warm = plan["decode_steps"], plan["decode_warmup"]
     rows, kv = [], []
     for context in plan["decode_ctx"]:
@@ -559,7 +566,7 @@ def section_decode(size: str, plan: Dict, dense) -> Dict:
                             traffic[name]["rows"].setdefault(layer.layer_idx, []).append(int(ran.sum()))
                             traffic[name]["entries"].setdefault(layer.layer_idx, []).append(read)
                 mean_context = context + warm + (steps + 1) / 2
-                for variant in ("mod", "stt"):
+                for variant in rshapes:
                     runs = {l: sum(v) / len(v) for l, v in traffic[variant]["runs"].items()}
                     entries = {l: sum(v) / len(v) for l, v in traffic[variant]["entries"].items()}
                     rows_run = {l: sum(v) / len(v) for l, v in traffic[variant]["rows"].items()}
@@ -593,7 +600,7 @@ def section_decode(size: str, plan: Dict, dense) -> Dict:
 def kv_summary(variant: str, acc: Dict, dense_acc: Dict, shape: cf.ModelShape, rshape: cf.RoutingShape) -> Dict:
     context = acc["context"]
     routed = [l for l in acc["layers"] if l["routed"]]
-    fractions = {l["layer"]: sum(l["entries"]) / (len(l["entries"]) * context) for l in routed}
+    fractions = {l["layer"]: sum(l["executed"]) / (len(l["executed"]) * context) for l in routed}
     gamma_bar = sum(fractions.values()) / len(fractions)
     occupied = sum(l["occupied_bytes"] for l in acc["layers"])
     dense_occupied = sum(l["occupied_bytes"] for l in dense_acc["layers"])
@@ -601,7 +608,8 @@ def kv_summary(variant: str, acc: Dict, dense_acc: Dict, shape: cf.ModelShape, r
     dense_allocated = sum(l["allocated_bytes"] for l in dense_acc["layers"])
     closed = cf.kv_cache_ratio(shape, rshape, fractions)
     exact = all(l["occupied_matches_executed"] for l in routed)
-    return dict(variant=variant, context=context, gamma_bar=gamma_bar, closed_uniform=(1 + gamma_bar) / 2,
+    uniform = 1.0 if rshape.skipped_tokens_write_kv else (1 + gamma_bar) / 2
+    return dict(variant=variant, context=context, gamma_bar=gamma_bar, closed_uniform=uniform,
                 closed=closed, occupied_ratio=occupied / dense_occupied, allocated_ratio=allocated / dense_allocated,
                 per_layer_entries_equal_executed=exact,
                 passed=exact and abs(occupied / dense_occupied - closed) < 1e-9,
