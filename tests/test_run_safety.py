@@ -36,8 +36,10 @@ def tiny_stand_in(path: Path):
     at the tiny shape, the tiny checkpoint and tokenizer, the local corpus, CPU."""
     cfg = OmegaConf.load(path)
     model = cfg.model
-    if model._component_.endswith(".routed_qwen2"):
+    if model._component_.endswith("routed_qwen2"):  # routed_qwen2 and lora_routed_qwen2
         model.update(TINY_SHAPE)
+        if "dropped_layers" in model:  # layer indices of the real shape; the tiny one has 4 layers
+            model.dropped_layers = [2]
     else:
         model._component_ = re.sub(r"qwen2_5_[0-9a-z_]+$", "qwen2_5_tiny", model._component_)
         model.vocab_size = 151936
