@@ -90,7 +90,9 @@ training log, ``checkpoint_kept``, ``finished_at``.
 
 ``aggregate`` writes ``<out_dir>/README.md`` (tables: mean ± std over the seeds present, "partial" where a run
 has fewer seeds than the study or none; paired differences run − baseline per seed with a t-interval) and the
-PNG plots ``frontier.png``, ``curves.png``, ``validation.png``, ``executed_fraction.png``.
+PNG plots ``frontier.png``, ``curves.png``, ``validation.png``, ``executed_fraction.png``, and ``claims.png``
+with a table for the papers' qualitative claims (predictor loss PriorFFN vs TPN, STT dynamic capacity per
+layer, CE/CU shares of the teacher's choices over training, teacher–student agreement STT vs SDT).
 """
 
 import argparse
@@ -117,7 +119,7 @@ DONE_MARKER = "study_train_done.json"
 BUDGET_SCHEDULE_KEYS = ("save_every_n_steps", "validation.every_n_steps", "log_every_n_steps")
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
-PLOTS = ("frontier.png", "curves.png", "validation.png", "executed_fraction.png")
+PLOTS = ("frontier.png", "curves.png", "validation.png", "executed_fraction.png", "claims.png")
 
 
 class StudyError(RuntimeError):
@@ -853,6 +855,113 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
     return written
 
 
+# ---- the papers' qualitative claims (issue 14, item 4) ------------------------------------------------
+
+
+def _model_cfg(r: Dict[str, Any]) -> Dict[str, Any]:
+    return (r.get("config") or {}).get("model") or {}
+
+
+def _layer_mean_curve(results: List[Dict[str, Any]], metric: str) -> Tuple[List[int], List[float]]:
+    """Per step, the mean over routed layers (then over seeds) of ``routing/layer_i/<metric>``."""
+    by_step: Dict[int, List[float]] = {}
+    for r in results:
+        series = (r.get("curves") or {}).get("series") or {}
+        keys = [k for k in series if k.startswith("routing/layer_") and k.endswith("/" + metric)]
+        for i, step in enumerate((r.get("curves") or {}).get("steps") or []):
+            values = [series[k][i] for k in keys if series[k][i] is not None]
+            if values:
+                by_step.setdefault(step, []).append(statistics.fmean(values))
+    steps = sorted(by_step)
+    return steps, [statistics.fmean(by_step[s]) for s in steps]
+
+
+def _layer_values(results: List[Dict[str, Any]], key: str) -> Dict[int, float]:
+    """Per layer, the mean over seeds of ``layers[l][key]`` (held-out report)."""
+    per: Dict[int, List[float]] = {}
+    for r in results:
+        for layer, row in (r.get("layers") or {}).items():
+            if key in row:
+                per.setdefault(int(layer), []).append(row[key])
+    return {layer: statistics.fmean(v) for layer, v in sorted(per.items())}
+
+
+def _slope(xs: List[float], ys: List[float]) -> Optional[float]:
+    if len(xs) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return None if den == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den
+
+
+def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, Any]]]) -> List[str]:
+    """Numbers and a 4-panel plot (``claims.png``) for the papers' qualitative claims: predictor loss of the
+    PriorFFN (SDT) vs the TPN (STT) over training (Fig. 2B); STT dynamic capacity per layer (Fig. 2C: does it
+    fall with depth?); the shares of the teacher's choices whose CE and whose CU criterion fired, early vs
+    late in training; teacher–student agreement per layer, STT vs SDT. Verdicts are left to the reader of
+    the numbers (and the study README's narrative), since they need the seeds to agree."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in order if runs.get(n)]
+    surprise = [n for n in names if runs[n][0].get("variant") in ("sdt", "stt")]
+    dynamic = [n for n in surprise if _model_cfg(runs[n][0]).get("teacher_selection") == "threshold"]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    lines = ["## The papers' claims", "",
+             "| run | variant | seeds | predictor loss first → last | CE share first → last | CU share first → last "
+             "| agreement (held-out) |", "|---|---|---|---|---|---|---|"]
+    for n in surprise:
+        rs = runs[n]
+        steps, pred = _mean_curve(rs, "loss/pred")
+        ce_steps, ce = _layer_mean_curve(rs, "teacher_ce_share")
+        _, cu = _layer_mean_curve(rs, "teacher_cu_share")
+        agreement = _layer_values(rs, "teacher/agreement_accuracy")
+        style = "-" if rs[0]["variant"] == "stt" else "--"
+        if steps:
+            axes[0, 0].plot(steps, pred, style, label=f"{n} ({'TPN' if rs[0]['variant'] == 'stt' else 'PriorFFN'})")
+        if ce_steps:
+            axes[1, 0].plot(ce_steps, ce, style, label=f"{n} CE")
+            axes[1, 0].plot(ce_steps, cu, style, alpha=0.5, label=f"{n} CU")
+        if agreement:
+            axes[1, 1].plot(list(agreement), list(agreement.values()), style, marker="o", label=n)
+        fmt = lambda v: f"{v[0]:.3g} → {v[-1]:.3g}" if v else "–"  # noqa: E731
+        mean_agreement = f"{statistics.fmean(agreement.values()):.3f}" if agreement else "–"
+        lines.append(f"| {n} | {rs[0]['variant']} | {len(rs)} | {fmt(pred)} | {fmt(ce)} | {fmt(cu)} | {mean_agreement} |")
+    for n in dynamic:
+        fractions = _layer_values(runs[n], "teacher/teacher_fraction")
+        if fractions:
+            axes[0, 1].plot(list(fractions), list(fractions.values()), marker="o", label=f"{n} teacher")
+            student = _layer_values(runs[n], "student/selected_fraction")
+            axes[0, 1].plot(list(student), list(student.values()), "--", marker=".", label=f"{n} student")
+            slope = _slope([float(l) for l in fractions], list(fractions.values()))
+            lines += ["", f"Dynamic capacity (`{n}`, held-out, teacher g ≥ g_th): per layer "
+                      + ", ".join(f"{l}: {v:.2f}" for l, v in fractions.items())
+                      + (f"; least-squares slope {slope:+.4f} per layer (negative = falls with depth)." if slope is not None else ".")]
+    for ax, title, xlabel, ylabel in (
+        (axes[0, 0], "Fig. 2B: predictor loss (PriorFFN dashed, TPN solid)", "optimizer step", "L_pred (MSE)"),
+        (axes[0, 1], "Fig. 2C: STT dynamic capacity per layer", "layer", "executed fraction"),
+        (axes[1, 0], "Share of the teacher's choices whose CE / CU fired", "optimizer step", "share"),
+        (axes[1, 1], "Teacher–student agreement per layer (STT solid, SDT dashed)", "layer", "accuracy"),
+    ):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if ax.has_data():
+            ax.legend(fontsize=6)
+        else:
+            ax.text(0.5, 0.5, "no run of this kind yet", ha="center", va="center", transform=ax.transAxes)
+    if any(ax.lines for ax in axes.flat):
+        axes[0, 0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(out_dir / "claims.png", dpi=110)
+    plt.close(fig)
+    if not surprise:
+        lines.append("| (no SDT/STT run yet) | | | | | | |")
+    return lines + ["", "![claims.png](claims.png)", ""]
+
+
 def aggregate(out_dir: Path) -> Path:
     """Write ``<out_dir>/README.md`` and the plots from the run JSONs present (a partial study is fine)."""
     out_dir = Path(out_dir)
@@ -953,6 +1062,7 @@ def aggregate(out_dir: Path) -> Path:
     lines += ["## Plots", ""]
     for plot in plots:
         lines += [f"### {titles[plot]}", "", f"![{plot}]({plot})", ""]
+    lines += claims_section(out_dir, order, runs)
     lines += ["## Run files", ""]
     for n in order:
         files = ", ".join(f"[seed {r['seed']}](runs/{run_id(n, r['seed'])}.json)" for r in runs.get(n, []))

@@ -155,10 +155,16 @@ def test_micro_study_end_to_end(workdir):
     assert {"`dense`", "`stt`", "`mod`"} <= set(rows)
     assert "1/2 (partial)" in rows["`stt`"] and "none (missing)" in rows["`mod`"]
     assert "## Paired differences against `dense`" in readme
-    for plot in ("frontier.png", "curves.png", "validation.png", "executed_fraction.png"):
+    for plot in ("frontier.png", "curves.png", "validation.png", "executed_fraction.png", "claims.png"):
         data = (out / plot).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, plot
         assert f"]({plot})" in readme
+    # The claims table has the STT run with its predictor loss and CE/CU shares over training.
+    claims = readme.split("## The papers' claims")[1].split("## Run files")[0]
+    (stt_row,) = [line for line in claims.splitlines() if line.startswith("| stt |")]
+    cells = [c.strip() for c in stt_row.strip("|").split("|")]
+    assert cells[1] == "stt" and "→" in cells[3] and "→" in cells[4] and "→" in cells[5], stt_row
+    assert 0 <= float(cells[6]) <= 1
 
     # A second seed (here: copies with shifted losses) gives paired differences with a t-interval.
     for name, shift in (("dense", 0.0), ("stt", 0.3)):
