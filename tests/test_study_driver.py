@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_recipe import train_assets  # noqa: F401,E402  (session fixture)
+
 REPO = Path(__file__).resolve().parents[1]
 STUDY_PY = REPO / "experiments" / "study.py"
 TINY = REPO / "configs" / "tiny"
@@ -32,16 +34,11 @@ def load_driver():
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from tests.test_recipe import write_tiny_hf_checkpoint
-    from torchtune_dtf.data.tokenizer_assets import write_qwen2_5_tokenizer_files
-
-    root = tmp_path_factory.mktemp("study_assets")
-    write_qwen2_5_tokenizer_files(root / "qwen2_5_tokenizer")
-    write_tiny_hf_checkpoint(root / "tiny_qwen2_5_hf")
-    shutil.copy(REPO / "tests" / "assets" / "tiny_corpus.jsonl", root / "corpus.jsonl")
-    shutil.copytree(REPO / "tests" / "assets" / "lm_eval_tasks", root / "lm_eval_tasks")
-    return root
+def assets(train_assets):  # noqa: F811  (the recipe tests' tokenizer, tiny checkpoint and corpus)
+    tasks = train_assets / "lm_eval_tasks"
+    if not tasks.exists():
+        shutil.copytree(REPO / "tests" / "assets" / "lm_eval_tasks", tasks)
+    return train_assets
 
 
 @pytest.fixture
