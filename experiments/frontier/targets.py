@@ -1,0 +1,117 @@
+"""Issue 14's targets, checked on whatever runs of the frontier study have landed.
+
+    python experiments/frontier/targets.py [--write]      # prints a Markdown table; --write: targets.md
+
+Runs are grouped by FLOP level from their names (``_75`` ≈ 0.90, ``_50`` / ``layerdrop_7`` ≈ 0.81, ``_25`` /
+``layerdrop_10`` ≈ 0.72 of dense; ``layerdrop_4`` ≈ 0.90). At each level the *best routed recipe* is the
+routed run (MoD/SDT/STT, any technique) with the lowest mean student held-out loss; the comparisons are
+paired by seed, and a target is "met" only with three seeds and the margin the issue names:
+
+1. best routed < layer dropping and < random routing by more than 2 standard errors of the paired difference;
+2. at ≈ 0.81: (papers − best) / (papers − dense) ≥ 0.70 (mean over seeds);
+3. at ≈ 0.90: best − dense < 0.10 nats;
+4. surprise (best SDT/STT) vs MoD (best MoD) at each level: the paired difference, either way.
+"""
+
+import argparse
+import importlib.util
+import math
+import statistics
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("study_driver", HERE.parent / "study.py")
+study = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(study)
+
+LEVELS = {"0.90": ("_75", "layerdrop_4"), "0.81": ("_50", "layerdrop_7"), "0.72": ("_25", "layerdrop_10")}
+ROUTED = ("mod", "sdt", "stt")
+SEEDS_NEEDED = 3
+
+
+def level_of(name: str):
+    for level, (suffix, drop) in LEVELS.items():
+        if name == drop or suffix in name.replace("papers", ""):
+            return level
+    return None
+
+
+def by_seed(results):
+    return {r["seed"]: r["heldout"]["student_loss"] for r in results}
+
+
+def paired(a, b):
+    """Per-seed a − b over the seeds both have."""
+    seeds = sorted(set(a) & set(b))
+    return study.paired_difference([a[s] - b[s] for s in seeds])
+
+
+def fmt(pd):
+    if pd["n"] == 0:
+        return "no common seed"
+    if pd["se"] is None:
+        return f"{pd['mean']:+.3f} (n = 1)"
+    return f"{pd['mean']:+.3f} ± {pd['se']:.3f} se (n = {pd['n']})"
+
+
+def verdict(ok: bool, n: int) -> str:
+    if n < SEEDS_NEEDED:
+        return f"not yet ({n}/{SEEDS_NEEDED} seeds)"
+    return "met" if ok else "not met"
+
+
+def main() -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    _, runs = study.load_results(HERE)
+    losses = {name: by_seed(results) for name, results in runs.items()}
+    variant = {name: results[0]["variant"] for name, results in runs.items()}
+    dense = losses.get("dense", {})
+    lines = ["| level | target | runs | numbers | verdict |", "|---|---|---|---|---|"]
+    for level, (_, drop) in LEVELS.items():
+        routed = [n for n in losses if variant[n] in ROUTED and level_of(n) == level and "papers" not in n]
+        if not routed:
+            lines.append(f"| {level} | all | – | no routed run yet | not yet |")
+            continue
+        best = min(routed, key=lambda n: statistics.fmean(losses[n].values()))
+        for baseline in (drop, f"random{LEVELS[level][0]}"):
+            if baseline not in losses:
+                lines.append(f"| {level} | best < {baseline} by > 2 se | {best} | {baseline} not run yet | not yet |")
+                continue
+            pd = paired(losses[best], losses[baseline])
+            ok = pd["se"] is not None and pd["mean"] < 0 and -pd["mean"] > 2 * pd["se"]
+            lines.append(f"| {level} | best < {baseline} by > 2 se | {best} − {baseline} | {fmt(pd)} | {verdict(ok, pd['n'])} |")
+        if level == "0.81":
+            papers = losses.get("stt_papers_50", {})
+            seeds = sorted(set(papers) & set(dense) & set(losses[best]))
+            if seeds:
+                closed = [(papers[s] - losses[best][s]) / (papers[s] - dense[s]) for s in seeds]
+                mean = statistics.fmean(closed)
+                lines.append(f"| 0.81 | closes ≥ 70 % of papers→dense gap | {best} vs stt_papers_50, dense | "
+                             f"{mean:.0%} closed (n = {len(seeds)}) | {verdict(mean >= 0.70, len(seeds))} |")
+            else:
+                lines.append("| 0.81 | closes ≥ 70 % of papers→dense gap | – | stt_papers_50 or dense missing | not yet |")
+        if level == "0.90" and dense:
+            pd = paired(losses[best], dense)
+            ok = pd["mean"] is not None and pd["mean"] < 0.10
+            lines.append(f"| 0.90 | within 0.10 nats of dense | {best} − dense | {fmt(pd)} | {verdict(ok, pd['n'])} |")
+        surprise = [n for n in routed if variant[n] in ("sdt", "stt")]
+        mod = [n for n in routed if variant[n] == "mod"]
+        if surprise and mod:
+            s_best = min(surprise, key=lambda n: statistics.fmean(losses[n].values()))
+            m_best = min(mod, key=lambda n: statistics.fmean(losses[n].values()))
+            pd = paired(losses[s_best], losses[m_best])
+            answered = "answered" if pd["n"] >= SEEDS_NEEDED else f"not yet ({pd['n']}/{SEEDS_NEEDED} seeds)"
+            lines.append(f"| {level} | surprise vs MoD (answered either way) | {s_best} − {m_best} | {fmt(pd)} | {answered} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.write:
+        (HERE / "targets.md").write_text(
+            "# Issue 14 targets on the runs so far\n\nWritten by `python experiments/frontier/targets.py --write`; "
+            "student held-out loss per token, paired by seed.\n\n" + table + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    main()
