@@ -2,10 +2,13 @@
 
     python experiments/frontier/targets.py [--write]      # prints a Markdown table; --write: targets.md
 
-Runs are grouped by FLOP level from their names (``_75`` ≈ 0.90, ``_50`` / ``layerdrop_7`` ≈ 0.81, ``_25`` /
-``layerdrop_10`` ≈ 0.72 of dense; ``layerdrop_4`` ≈ 0.90). At each level the *best routed recipe* is the
-routed run (MoD/SDT/STT, any technique) with the lowest mean student held-out loss; the comparisons are
-paired by seed, and a target is "met" only with three seeds and the margin the issue names:
+Runs are grouped by the forward FLOPs they *measured* (closed form at the student's executed fractions on the
+held-out windows), not by their names: a run belongs to a level (0.90, 0.81, 0.72 of dense) when its mean FLOPs
+ratio is within ±0.03 of it; a run whose student executes far from its budget is listed as off-budget. The
+baselines of a level are its layer-dropping and random-routing runs (``layerdrop_4/7/10``, ``random_75/50/25``).
+At each level the *best routed recipe* is the routed run (MoD/SDT/STT, any technique) with the lowest mean
+student held-out loss; the comparisons are paired by seed, and a target is "met" only with three seeds and
+the margin the issue names:
 
 1. best routed < layer dropping and < random routing by more than 2 standard errors of the paired difference;
 2. at ≈ 0.81: (papers − best) / (papers − dense) ≥ 0.70 (mean over seeds);
@@ -25,13 +28,19 @@ study = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(study)
 
 LEVELS = {"0.90": ("_75", "layerdrop_4"), "0.81": ("_50", "layerdrop_7"), "0.72": ("_25", "layerdrop_10")}
+TOLERANCE = 0.03
 ROUTED = ("mod", "sdt", "stt")
 SEEDS_NEEDED = 3
 
 
-def level_of(name: str):
-    for level, (suffix, drop) in LEVELS.items():
-        if name == drop or suffix in name.replace("papers", ""):
+def flops_ratio(results) -> float:
+    return statistics.fmean(r["compute"]["forward_flops_ratio"] for r in results)
+
+
+def level_of(results):
+    ratio = flops_ratio(results)
+    for level in LEVELS:
+        if abs(ratio - float(level)) <= TOLERANCE:
             return level
     return None
 
@@ -69,8 +78,9 @@ def main() -> str:
     variant = {name: results[0]["variant"] for name, results in runs.items()}
     dense = losses.get("dense", {})
     lines = ["| level | target | runs | numbers | verdict |", "|---|---|---|---|---|"]
+    off_budget = [n for n in losses if variant[n] in ROUTED and level_of(runs[n]) is None]
     for level, (_, drop) in LEVELS.items():
-        routed = [n for n in losses if variant[n] in ROUTED and level_of(n) == level and "papers" not in n]
+        routed = [n for n in losses if variant[n] in ROUTED and level_of(runs[n]) == level and "papers" not in n]
         if not routed:
             lines.append(f"| {level} | all | – | no routed run yet | not yet |")
             continue
@@ -104,6 +114,9 @@ def main() -> str:
             pd = paired(losses[s_best], losses[m_best])
             answered = "answered" if pd["n"] >= SEEDS_NEEDED else f"not yet ({pd['n']}/{SEEDS_NEEDED} seeds)"
             lines.append(f"| {level} | surprise vs MoD (answered either way) | {s_best} − {m_best} | {fmt(pd)} | {answered} |")
+    if off_budget:
+        lines += ["", "Off budget (mean forward FLOPs ratio not within ±0.03 of a level): "
+                  + ", ".join(f"`{n}` {flops_ratio(runs[n]):.3f}" for n in off_budget)]
     table = "\n".join(lines)
     print(table)
     if args.write:
