@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from torchtune_dtf.modules.layers import SKIP_UPDATES
+
 VARIANTS = ("dense", "layerdrop", "random", "mod", "sdt", "stt")
 #: Variants whose layers take no routing decision (the recipe trains them like the dense model).
 STATIC_VARIANTS = ("dense", "layerdrop")
-SKIP_UPDATES = ("none", "predicted")
 
 #: Keys every routed variant needs.
 COMMON_KEYS = (

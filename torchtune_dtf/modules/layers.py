@@ -309,11 +309,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         if self.skip_update == "predicted":
             # Token t's forecast reads token t−1's output without its own forecast: one parallel pass, causal.
             previous = previous_token_states(out, starts, None if cache is None else cache.last_output)
-            forecast = self.skip_forecast(previous)
-            base_out = out
-            out = out + forecast * (~selection.mask)[..., None].to(out.dtype)
             if cache is not None:
-                cache.last_output.copy_(base_out[:, -1].detach())
+                cache.last_output.copy_(out[:, -1].detach())
+            out = out + self.skip_forecast(previous) * (~selection.mask)[..., None].to(out.dtype)
         if cache is not None:
             cache.last_input.copy_(x[:, -1].detach())
             cache.seen += seq_len
