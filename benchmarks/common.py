@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from torchtune_dtf.models import qwen2_5
 from torchtune_dtf.modules import ROUTING_MODULE_NAMES, RoutedSelfAttentionLayer, RoutingContext, is_routing_key
+from torchtune_dtf.training.calibration import calibratable_layers, calibrate_student_routers
 
 from benchmarks import closed_form as cf
 
@@ -123,31 +124,11 @@ def set_capacity(model, gamma: float) -> None:
         layer.capacity = gamma
 
 
-@torch.no_grad()
 def calibrate_student_threshold(model, tokens: torch.Tensor, fraction: float, rounds: int = 2) -> Dict[int, float]:
-    """Shift each routed layer's causal-router output bias so that σ(r̃) > τ passes ``fraction`` of tokens.
-
-    The causal router ends in ``Linear(h → 1)``; adding δ to its bias shifts every logit by δ. With the
-    (1 − fraction)-quantile q of the layer's logits on ``tokens``, δ = logit(τ) − q makes exactly the tokens
-    above q pass. Layers are coupled (a layer's selection changes the next layers' inputs), so this runs
-    ``rounds`` full student forwards. Only a parameter value changes; the code path is the deployed one.
-
-    Returns:
-        The selected fraction per routed layer after calibration (on ``tokens``).
-    """
-    layers = routed_layers(model)
-    for _ in range(rounds):
-        ctx = RoutingContext(mode="student")
-        model(tokens, routing=ctx)
-        for layer in layers:
-            logits = ctx.layers[layer.layer_idx].student_logits.float().flatten()
-            tau = layer.student_threshold
-            target = math.log(tau / (1 - tau))
-            q = torch.quantile(logits, 1 - fraction)
-            layer.causal_router.out.bias += (target - q).to(layer.causal_router.out.bias.dtype)
-    ctx = RoutingContext(mode="student")
-    model(tokens, routing=ctx)
-    return {i: r.selected_fraction.item() for i, r in ctx.layers.items()}
+    """Calibrate every threshold student of ``model`` to execute ``fraction`` of ``tokens``
+    (:func:`torchtune_dtf.training.calibration.calibrate_student_routers`); returns the fractions after."""
+    targets = {layer.layer_idx: fraction for layer in calibratable_layers(model)}
+    return calibrate_student_routers(model, [{"tokens": tokens}], targets, rounds)
 
 
 # ---- FLOP counting ----------------------------------------------------------------------------------

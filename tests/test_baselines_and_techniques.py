@@ -281,6 +281,8 @@ def baseline_config(variant, **routing):
         {"_component_": "torchtune_dtf.models.qwen2_5.routed_qwen2", "variant": variant,
          **tiny_architecture(), "vocab_size": 151936, **routing_kwargs(variant, **routing)}
     )
+    if variant == "random":
+        cfg.student_calibration.batches = 0  # no causal router: the recipe refuses to calibrate one
     return cfg
 
 

@@ -339,7 +339,8 @@ def test_scheduled_sampling_is_a_required_key():
 
 
 def test_validation_refuses_a_noncausal_topk_student_before_training(workdir):
-    cfg = load_config("stt_train", **{"model.student_routing_mode": "topk", "model.student_threshold": None})
+    cfg = load_config("stt_train", **{"model.student_routing_mode": "topk", "model.student_threshold": None,
+                                      "student_calibration.batches": 0})
     recipe = RoutedFinetuneRecipe(cfg)
     with pytest.raises(ValueError, match=r"routed layers \[1, 3\].*not causal.*allow_noncausal_student_topk"):
         recipe.setup(cfg)

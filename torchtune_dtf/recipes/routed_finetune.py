@@ -14,7 +14,10 @@ Every optimizer step s the recipe
    against a frozen dense copy of the starting weights when ``distillation.weight`` > 0; top-k teachers
    keep γ' = 1 − p(s)·(1 − γ) of the tokens while the ``capacity_curriculum`` ramps p from 0 to 1;
 3. steps AdamW with separate learning rates for the backbone, the predictors (PriorFFN/TPN), the predictive
-   router (o_ce, m_cu) and the routers (causal routers, MoD router).
+   router (o_ce, m_cu) and the routers (causal routers, MoD router);
+4. after the last step, with ``student_calibration.batches`` > 0, shifts each threshold student's router bias so
+   that it executes on training text what its teacher does (γ for top-k teachers), so the saved model runs at
+   the budget its config states (:mod:`torchtune_dtf.training.calibration`).
 
 Variants: dense, the two baselines (``layerdrop``: layers removed; ``random``: random selection at the
 routed budget), MoD, SDT and STT. Single device or FSDP2 (torchrun), CPU or CUDA, fp32 or bf16, gradient accumulation and clipping,
@@ -55,6 +58,7 @@ from tqdm import tqdm
 from torchtune_dtf.models.routing_config import REQUIRED_KEYS as ROUTING_KEYS, STATIC_VARIANTS
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import RoutingContext
+from torchtune_dtf.training.calibration import batch_for_calibration, calibrate_to_teacher
 from torchtune_dtf.training.checkpointer import RUN_ID_KEY, STEP_KEY, routed_adapter_state_dict
 from torchtune_dtf.training.routing_losses import auxiliary_losses, distillation_loss, routing_metrics
 from torchtune_dtf.data.checks import check_local_text_files, check_text_column
@@ -104,7 +108,7 @@ REQUIRED_KEYS = (
     "output_dir",
     "distillation",
 )
-ROUTED_KEYS = ("routing_loss_weights", "beta_schedule", "scheduled_sampling", "capacity_curriculum")
+ROUTED_KEYS = ("routing_loss_weights", "beta_schedule", "scheduled_sampling", "capacity_curriculum", "student_calibration")
 #: Config entries a resumed run must share with its checkpoint: each changes what the rest of the run computes.
 RESUME_INVARIANT_KEYS = (
     "model", "tokenizer.max_seq_len", "dataset", "seed", "shuffle", "batch_size", "gradient_accumulation_steps",
@@ -129,6 +133,7 @@ def validate_recipe_config(cfg: DictConfig) -> None:
             ("beta_schedule", ("type", "beta_ce_start", "beta_ce_end", "beta_cu_start", "beta_cu_end", "warmup_steps")),
             ("scheduled_sampling", ("share_start", "share_end", "ramp_steps")),
             ("capacity_curriculum", ("ramp_steps",)),
+            ("student_calibration", ("batches", "rounds")),
         ]
     for section, keys in sections:
         if section in cfg:
@@ -166,8 +171,29 @@ def _check_values(cfg: DictConfig) -> None:
                  if not _float(lr) >= 0]
     if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
         problems.append(f"clip_grad_norm must be > 0 or null, got {cfg.clip_grad_norm!r}")
+    if "student_calibration" in cfg:
+        problems += _calibration_problems(cfg)
     if problems:
         raise ValueError("Invalid config values:\n  - " + "\n  - ".join(problems))
+
+
+def _calibration_problems(cfg: DictConfig) -> List[str]:
+    batches, rounds = cfg.student_calibration.batches, cfg.student_calibration.rounds
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    if not (is_int(batches) and batches >= 0):
+        return [f"student_calibration.batches must be an integer ≥ 0 (0 = off), got {batches!r}"]
+    if batches == 0:
+        return []
+    if not (is_int(rounds) and rounds >= 1):
+        return [f"student_calibration.rounds must be a positive integer, got {rounds!r}"]
+    variant = _variant_of(cfg.model)
+    if variant == "random":
+        return ["student_calibration.batches > 0, but variant 'random' has no causal router to calibrate (its "
+                "student runs Bernoulli(γ), on budget in expectation); set student_calibration.batches: 0"]
+    if cfg.model.get("student_routing_mode") == "topk":
+        return ["student_calibration.batches > 0, but student_routing_mode 'topk' already runs exactly γ; "
+                "calibration shifts the threshold of a 'threshold' student. Set student_calibration.batches: 0"]
+    return []
 
 
 def resume_fingerprint(cfg: DictConfig, world_size: int) -> Dict[str, Any]:
@@ -282,6 +308,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             self._loss_weights = LossWeights(**cfg.routing_loss_weights)
             self._scheduled_sampling = ScheduledSampling(**cfg.scheduled_sampling)
             self._curriculum = CapacityCurriculum(**cfg.capacity_curriculum)
+            self._calibration_batches = cfg.student_calibration.batches
+            self._calibration_rounds = cfg.student_calibration.rounds
             BetaSchedule(**cfg.beta_schedule, total_steps=1)  # its checks, before any work (total comes with the data)
 
     # ------------------------------------------------------------------------------------------ setup
@@ -673,7 +701,33 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                     self.save_checkpoint(epoch=curr_epoch, epochs_run=curr_epoch)
             pbar.close()
             self.epochs_run = curr_epoch + 1
+            if self.epochs_run == self.total_epochs and self._routed and self._calibration_batches:
+                self._calibrate_student()
             self.save_checkpoint(epoch=curr_epoch, epochs_run=self.epochs_run)
+
+    def _calibrate_student(self) -> None:
+        """Before the final save: shift each threshold student's router bias so that it executes, on the
+        first ``student_calibration.batches`` training batches (dataset order, the same on every rank), what
+        its teacher executes there (γ for top-k teachers). See :mod:`torchtune_dtf.training.calibration`."""
+        dataset, collate = self._dataloader.dataset, self._dataloader.collate_fn
+        size = self._dataloader.batch_size
+        count = min(self._calibration_batches, len(dataset) // size)
+        batches = [
+            {k: (v.to(self._device) if v is not None else None) for k, v in batch_for_calibration(
+                collate([dataset[i] for i in range(n * size, (n + 1) * size)]), self._loss_fn.ignore_index).items()}
+            for n in range(count)
+        ]
+        teacher = self._routing_context("teacher")
+        teacher.capacity_progress = 1.0
+        report = calibrate_to_teacher(self._model, batches, teacher, rounds=self._calibration_rounds)
+        if self._is_rank_zero:
+            log.info(
+                f"Student calibration on {count} training batches (executed fraction, target ← before → after): "
+                + ", ".join(f"layer {i}: {r['target']:.3f} ← {r['before']:.3f} → {r['after']:.3f}" for i, r in report.items())
+            )
+            self._metric_logger.log_dict(
+                {f"calibration/{key}_layer_{i}": r[key] for i, r in report.items() for key in r}, step=self.global_step
+            )
 
     def _stop_if_diverged(self, parts: Dict[str, float], grad_norm: torch.Tensor) -> None:
         """A non-finite loss or gradient stops the run before the optimizer step, so neither the weights nor
