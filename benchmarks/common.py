@@ -124,6 +124,17 @@ def set_capacity(model, gamma: float) -> None:
         layer.capacity = gamma
 
 
+def config_loss_weights(variant: str) -> Tuple[float, float, float]:
+    """(λ_pred, λ_causal, λ_g_reg) after warmup in the shipped 0.5B training config of ``variant``
+    (``stt_kv`` and other benchmark names of a variant use that variant's config)."""
+    from omegaconf import OmegaConf
+
+    from torchtune_dtf.training.schedules import LossWeights
+
+    cfg = OmegaConf.load(REPO / "configs" / f"{variant.split('_')[0]}_qwen0_5b.yaml").routing_loss_weights
+    return LossWeights(**cfg).at(cfg.warmup_steps)
+
+
 def calibrate_student_threshold(model, tokens: torch.Tensor, fraction: float, rounds: int = 2) -> Dict[int, float]:
     """Calibrate every threshold student of ``model`` to execute ``fraction`` of ``tokens``
     (:func:`torchtune_dtf.training.calibration.calibrate_student_routers`); returns the fractions after."""

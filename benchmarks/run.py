@@ -44,6 +44,7 @@ from benchmarks.common import (
     build_like,
     calibrate_student_threshold,
     categorize_flops,
+    config_loss_weights,
     causal_cache_mask,
     config_routing,
     flop_counter,
@@ -62,7 +63,7 @@ from torchtune_dtf.modules import RoutingContext
 from torchtune_dtf.modules.layers import sequence_starts, token_positions
 from torchtune_dtf.modules.routed_block import _attention_mask
 from torchtune_dtf.modules.selection import gather_tokens, mask_selection, scatter_updates
-from torchtune_dtf.training.routing_losses import auxiliary_losses
+from torchtune_dtf.training.routing_losses import training_loss
 
 SECTIONS = ("flops", "prefill", "train", "decode", "overhead", "naive")
 GAMMA = 0.5
@@ -198,16 +199,15 @@ def section_flops(size: str, plan: Dict, dense) -> Dict:
     return dict(seq_len=T, rows=rows, train=dict(batch=b, seq_len=Tt, rows=train_rows))
 
 
-def train_loss(model, variant: str, tokens: torch.Tensor, loss_fn, weights=(0.05, 0.01, 0.0)) -> torch.Tensor:
-    """The recipe's loss (routed_finetune._total_loss): LM loss through the teacher-mode forward plus the
-    weighted auxiliary losses."""
+def train_loss(model, variant: str, tokens: torch.Tensor, loss_fn) -> torch.Tensor:
+    """The recipe's objective (:func:`~torchtune_dtf.training.routing_losses.training_loss`) with the shipped
+    0.5B config's loss weights: LM loss through the teacher-mode forward plus the weighted auxiliary losses."""
     routing = RoutingContext(mode="teacher") if variant == "dense" else RoutingContext(mode="teacher", beta_ce=1.0, beta_cu=1.0)
     labels = torch.hstack((tokens[..., 1:], torch.full((tokens.shape[0], 1), loss_fn.ignore_index)))
-    loss = loss_fn(model(tokens, routing=routing), labels)
-    if variant != "dense":
-        aux = auxiliary_losses(routing)
-        loss = loss + weights[0] * aux["pred"] + weights[1] * aux["causal"] + weights[2] * aux["g_reg"]
-    return loss
+    lm_loss = loss_fn(model(tokens, routing=routing), labels)
+    if variant == "dense":
+        return training_loss(lm_loss, None, None)[0]
+    return training_loss(lm_loss, routing, config_loss_weights(variant))[0]
 
 
 def count_train_flops(model, variant: str, tokens: torch.Tensor) -> int:
@@ -325,11 +325,6 @@ def timed_train_step(model, variant: str, tokens: torch.Tensor, loss_fn, optimiz
     return dict(fwd=t1 - t0, bwd=t2 - t1, opt=t3 - t2, step=t3 - t0)
 
 
-def _aux_weighted(routing: RoutingContext, weights=(0.05, 0.01, 0.0)) -> torch.Tensor:
-    aux = auxiliary_losses(routing)
-    return weights[0] * aux["pred"] + weights[1] * aux["causal"] + weights[2] * aux["g_reg"]
-
-
 def train_breakdown(models: Dict, tokens: torch.Tensor, loss_fn, phases: Dict, rounds: int) -> Dict:
     """Where a training step's time goes: its parts timed alone (forward + backward each), interleaved.
 
@@ -368,7 +363,7 @@ def train_breakdown(models: Dict, tokens: torch.Tensor, loss_fn, phases: Dict, r
         routing = RoutingContext(mode="teacher", beta_ce=1.0, beta_cu=1.0)
         out = layers[routed_idx](layers[routed_idx - 1](pair_in, routing=routing), routing=routing) \
             if name != "dense" else layers[routed_idx](layers[routed_idx - 1](pair_in))
-        loss = out.sum() + (_aux_weighted(routing) if name != "dense" else 0.0)
+        loss = out.sum() if name == "dense" else training_loss(out.sum(), routing, config_loss_weights(name))[0]
         loss.backward()
 
     def head():

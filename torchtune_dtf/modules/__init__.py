@@ -1,5 +1,6 @@
 from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
 from torchtune_dtf.modules.layers import (
+    ROUTING_MODULE_GROUPS,
     ROUTING_MODULE_NAMES,
     DroppedLayer,
     MoDLayer,
@@ -20,4 +21,12 @@ from torchtune_dtf.modules.surprise import PredictiveRouter, causal_moving_avera
 
 def is_routing_key(key: str) -> bool:
     """True for state-dict keys of routing parameters (not part of a stock Qwen2 checkpoint)."""
-    return any(part in ROUTING_MODULE_NAMES for part in key.split("."))
+    return routing_group_of(key) is not None
+
+
+def routing_group_of(key: str):
+    """The optimizer group (``ROUTING_MODULE_GROUPS``) of a parameter or state-dict key, None for the backbone."""
+    for part in key.split("."):
+        if part in ROUTING_MODULE_GROUPS:
+            return ROUTING_MODULE_GROUPS[part]
+    return None

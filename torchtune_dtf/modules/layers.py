@@ -31,7 +31,16 @@ from torchtune_dtf.modules.surprise import (
 )
 
 # Child-module names that hold routing parameters (everything else is the pretrained backbone).
-ROUTING_MODULE_NAMES = ("mod_router", "causal_router", "transition", "prior_ffn", "predictive_router")
+#: Every routing module a layer may own, by attribute name, and the optimizer group that trains it: the
+#: predictors of the block's update, the predictive router's offsets (o_ce, m_cu), and the routers.
+ROUTING_MODULE_GROUPS = {  # group order = the optimizer's param-group order, which checkpoints record
+    "transition": "predictors",
+    "prior_ffn": "predictors",
+    "predictive_router": "predictive_router",
+    "mod_router": "routers",
+    "causal_router": "routers",
+}
+ROUTING_MODULE_NAMES = tuple(ROUTING_MODULE_GROUPS)
 STUDENT_ROUTING_MODES = ("threshold", "topk")
 TEACHER_SELECTIONS = ("topk", "threshold")
 GATE_MODES = ("scaled", "straight_through")

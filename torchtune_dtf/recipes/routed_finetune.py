@@ -35,13 +35,14 @@ raise ``epochs`` or ``max_steps_per_epoch`` and set ``resume_from_checkpoint: ex
 schedules are then recomputed over the new length).
 """
 
+import functools
 import math
 import os
 import sys
 import time
 import uuid
 from functools import partial
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,16 +52,17 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
-from torchtune.modules.peft import get_adapter_params, get_merged_lora_ckpt, set_trainable_params
+from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params, get_merged_lora_ckpt, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_dtf.models.routing_config import REQUIRED_KEYS as ROUTING_KEYS, STATIC_VARIANTS
+from torchtune_dtf.modules import ROUTING_MODULE_GROUPS, routing_group_of
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import RoutingContext
 from torchtune_dtf.training.calibration import batch_for_calibration, calibrate_to_teacher
 from torchtune_dtf.training.checkpointer import RUN_ID_KEY, STEP_KEY, routed_adapter_state_dict
-from torchtune_dtf.training.routing_losses import auxiliary_losses, distillation_loss, routing_metrics
+from torchtune_dtf.training.routing_losses import distillation_loss, routing_metrics, training_loss
 from torchtune_dtf.data.checks import check_local_text_files, check_text_column
 from torchtune_dtf.data.collate import padded_collate_packed_dense
 from torchtune_dtf.training.schedules import (
@@ -74,11 +76,8 @@ from torchtune_dtf.training.schedules import (
 log = utils.get_logger("INFO")
 
 #: Parameter groups and the name fragments that put a parameter in them (anything else is backbone).
-PARAM_GROUPS = {
-    "predictors": ("transition.", "prior_ffn."),
-    "predictive_router": ("predictive_router.",),
-    "routers": ("causal_router.", "mod_router."),
-}
+#: Optimizer groups besides the backbone, each with its own learning rate: derived from the routing modules.
+PARAM_GROUPS = tuple(dict.fromkeys(ROUTING_MODULE_GROUPS.values()))
 REQUIRED_KEYS = (
     "model",
     "tokenizer",
@@ -233,13 +232,22 @@ def dense_model_config(cfg_model: DictConfig) -> DictConfig:
     return OmegaConf.create(dense)
 
 
+@functools.lru_cache(maxsize=8)
+def _identity_of(model_yaml: str) -> Tuple[str, bool]:
+    with torch.device("meta"):  # no memory, no weights: just the modules
+        model = config.instantiate(OmegaConf.create(model_yaml))
+    # Routing modules count as adapter parameters (they train in LoRA runs), so look for LoRA layers themselves.
+    return model.variant, any(isinstance(m, (LoRALinear, DoRALinear)) for m in model.modules())
+
+
+def model_identity(cfg_model: DictConfig) -> Tuple[str, bool]:
+    """``(variant, is_lora)`` of the model a config describes, read from the model itself (its ``.variant``
+    and whether it has LoRA adapters), built on the meta device so configs are checked before any work."""
+    return _identity_of(OmegaConf.to_yaml(cfg_model, resolve=True))
+
+
 def _variant_of(cfg_model: DictConfig) -> str:
-    """Variant named by the model config: ``variant:`` for the component builders, else the builder name
-    (``stt_qwen2_5_0_5b``, ``lora_sdt_qwen2_5_tiny``…)."""
-    if "variant" in cfg_model:
-        return cfg_model.variant
-    builder = cfg_model._component_.rsplit(".", 1)[-1]
-    return builder.removeprefix("lora_").split("_", 1)[0]
+    return model_identity(cfg_model)[0]
 
 
 #: Prefix that activation checkpointing adds to the names of wrapped modules' parameters (not to state-dict keys).
@@ -259,10 +267,7 @@ def merged_lora_copy(state_dict: Dict[str, torch.Tensor], rank: int, alpha: floa
 
 
 def param_group_of(name: str) -> str:
-    for group, fragments in PARAM_GROUPS.items():
-        if any(fragment in name for fragment in fragments):
-            return group
-    return "backbone"
+    return routing_group_of(name) or "backbone"
 
 
 class RoutedFinetuneRecipe(FTRecipeInterface):
@@ -278,7 +283,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self._variant = _variant_of(cfg.model)
         # Dense and static layer dropping take no routing decision: no routing context, losses or schedules.
         self._routed = self._variant not in STATIC_VARIANTS
-        self._is_lora = cfg.model._component_.rsplit(".", 1)[-1].startswith("lora_")
+        self._is_lora = model_identity(cfg.model)[1]
         if self._is_lora:
             self._lora_rank, self._lora_alpha = cfg.model.lora_rank, cfg.model.lora_alpha
 
@@ -590,25 +595,24 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         return self._routed and self._scheduled_sampling.executes_student(self.global_step, self.seed)
 
     def _total_loss(self, batch: Dict[str, torch.Tensor]):
-        """L = L_LM [+ λ_pred·L_pred + λ_causal·L_causal + λ_g_reg·L_g_reg] [+ λ_distill·L_distill]."""
+        """The objective of this step (:func:`~torchtune_dtf.training.routing_losses.training_loss`)."""
         routing = self._routing_context("teacher", "student" if self._executes_student() else "teacher")
         labels = self._shifted_labels(batch)
         logits = self._logits(self._model, batch, routing)
-        lm_loss = self._loss_fn(logits, labels)
-        loss, parts = lm_loss, {"lm": lm_loss.detach()}
-        if self._routed:
-            aux = auxiliary_losses(routing)
-            w_pred, w_causal, w_g_reg = self._loss_weights.at(self.global_step)
-            loss = loss + w_pred * aux["pred"] + w_causal * aux["causal"] + w_g_reg * aux["g_reg"]
-            parts.update({k: v.detach() for k, v in aux.items()})
+        distill = None
         if self._dense_teacher is not None:
             with torch.no_grad():
                 teacher_logits = self._logits(self._dense_teacher, batch, None)
             distill = distillation_loss(
                 logits, teacher_logits, labels, float(self._distillation.temperature), self._loss_fn.ignore_index
             )
-            loss = loss + float(self._distillation.weight) * distill
-            parts["distill"] = distill.detach()
+        loss, parts = training_loss(
+            self._loss_fn(logits, labels),
+            routing if self._routed else None,
+            self._loss_weights.at(self.global_step) if self._routed else None,
+            distill,
+            float(self._distillation.weight),
+        )
         return loss, parts, routing
 
     @torch.no_grad()

@@ -1,6 +1,7 @@
-"""Auxiliary losses and routing statistics gathered from one forward's :class:`RoutingContext`."""
+"""The routed training loss, its auxiliary parts and routing statistics gathered from one forward's
+:class:`RoutingContext`."""
 
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -20,6 +21,43 @@ def auxiliary_losses(routing: RoutingContext) -> Dict[str, torch.Tensor]:
         values = [getattr(r, attr) for r in records if getattr(r, attr) is not None]
         losses[name] = torch.stack(values).mean() if values else torch.zeros(())
     return losses
+
+
+def training_loss(
+    lm_loss: torch.Tensor,
+    routing: Optional[RoutingContext],
+    aux_weights: Optional[Tuple[float, float, float]],
+    distill: Optional[torch.Tensor] = None,
+    distill_weight: float = 0.0,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """L = L_LM [+ λ_pred·L_pred + λ_causal·L_causal + λ_g_reg·L_g_reg] [+ λ_distill·L_distill] (spec §4.8,
+    paper §3.3.2). The one place the objective is assembled: the recipe and the benchmarks call it.
+
+    Args:
+        lm_loss (torch.Tensor): scalar next-token loss of the routed forward.
+        routing (Optional[RoutingContext]): that forward's context (teacher mode); None for models that take
+            no routing decision (dense, layer dropping), which have no auxiliary losses.
+        aux_weights (Optional[Tuple[float, float, float]]): (λ_pred, λ_causal, λ_g_reg) for this step, e.g.
+            :meth:`~torchtune_dtf.training.schedules.LossWeights.at`; required when ``routing`` is given.
+        distill (Optional[torch.Tensor]): scalar distillation loss (:func:`distillation_loss`), or None.
+        distill_weight (float): λ_distill.
+
+    Returns:
+        (loss, parts): the total, and its detached parts keyed ``lm``, ``pred``, ``causal``, ``g_reg``,
+        ``distill`` (those present), for logging.
+    """
+    loss, parts = lm_loss, {"lm": lm_loss.detach()}
+    if routing is not None:
+        if aux_weights is None:
+            raise ValueError("A routed forward needs the auxiliary loss weights (λ_pred, λ_causal, λ_g_reg)")
+        aux = auxiliary_losses(routing)
+        for weight, name in zip(aux_weights, ("pred", "causal", "g_reg")):
+            loss = loss + weight * aux[name]
+            parts[name] = aux[name].detach()
+    if distill is not None:
+        loss = loss + distill_weight * distill
+        parts["distill"] = distill.detach()
+    return loss, parts
 
 
 def _agreement(teacher: torch.Tensor, student: torch.Tensor) -> Dict[str, float]:

@@ -1,0 +1,38 @@
+"""Shipped configs agree with each other: an eval or generate config builds the model its training config
+trained (same architecture and routing values; LoRA twins are evaluated merged, as the plain builder)."""
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+LORA_KEYS = ("lora_attn_modules", "apply_lora_to_mlp", "lora_rank", "lora_alpha", "lora_dropout")
+INFERENCE_CONFIGS = sorted((REPO / "configs" / "eval").glob("*.yaml")) + sorted((REPO / "configs" / "generate").glob("*.yaml"))
+PAIRS = [(path, REPO / "configs" / path.name) for path in INFERENCE_CONFIGS]
+PAIRS += [(REPO / "configs" / "quickstart" / "eval_stt_smollm2.yaml", REPO / "configs" / "quickstart" / "stt_smollm2.yaml")]
+
+
+def merged_model_section(train_cfg_path: Path) -> dict:
+    """The training config's model section as its merged (non-LoRA) model."""
+    model = OmegaConf.to_container(OmegaConf.load(train_cfg_path).model, resolve=False)
+    if any(key in model for key in LORA_KEYS):
+        for key in LORA_KEYS:
+            model.pop(key, None)
+        module, builder = model["_component_"].rsplit(".", 1)
+        model["_component_"] = f"{module}.{builder.removeprefix('lora_')}"
+    return model
+
+
+def test_every_inference_config_has_a_training_config():
+    assert len(PAIRS) >= 25
+    missing = [str(inference.relative_to(REPO)) for inference, train in PAIRS if not train.is_file()]
+    assert not missing, f"eval/generate configs without a training config of the same name: {missing}"
+
+
+@pytest.mark.parametrize("inference, train", PAIRS, ids=[f"{p.parent.name}/{p.name}" for p, _ in PAIRS])
+def test_inference_config_builds_the_trained_model(inference, train):
+    evaluated = OmegaConf.to_container(OmegaConf.load(inference).model, resolve=False)
+    trained = merged_model_section(train)
+    differing = {k: (trained.get(k), evaluated.get(k)) for k in set(trained) | set(evaluated) if trained.get(k) != evaluated.get(k)}
+    assert not differing, f"{inference.name}: model keys differ from {train.name} (train, eval): {differing}"
