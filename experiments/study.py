@@ -211,6 +211,14 @@ def train_command(study: Dict[str, Any], run: Dict[str, Any], seed: int, output_
                   resume: bool = False) -> List[str]:
     tune = Path(sys.executable).with_name("tune")
     command = [str(tune)] if tune.is_file() else [sys.executable, "-m", "torchtune._cli.tune"]
+    args = train_overrides(study, run, seed, output_dir)
+    if resume:
+        args["resume_from_checkpoint"] = True
+    return [*command, "run", RECIPE, "--config", run["config"], *(f"{k}={cli_value(v)}" for k, v in args.items())]
+
+
+def train_overrides(study: Dict[str, Any], run: Dict[str, Any], seed: int, output_dir: Path) -> Dict[str, Any]:
+    """The ``key: value`` overrides a run's training command applies to its config file."""
     budget = dict(study["budget"])
     steps = planned_steps(run["config"], budget, run["overrides"])
     every = schedule_every(steps, int(study["validation_points"]))
@@ -221,9 +229,41 @@ def train_command(study: Dict[str, Any], run: Dict[str, Any], seed: int, output_
     args.update(budget)
     args.update({k: v for k, v in schedule.items() if k not in budget})
     args.update(run["overrides"])
-    if resume:
-        args["resume_from_checkpoint"] = True
-    return [*command, "run", RECIPE, "--config", run["config"], *(f"{k}={cli_value(v)}" for k, v in args.items())]
+    return args
+
+
+#: Config entries whose change makes a finished run's result stale (what it trained and how it was evaluated).
+COMPARED_KEYS = ("model", "dataset", "seed", "batch_size", "epochs", "max_steps_per_epoch", "gradient_accumulation_steps",
+                 "optimizer", "learning_rates", "lr_scheduler", "loss", "freeze_base", "dtype", "routing_loss_weights",
+                 "beta_schedule", "scheduled_sampling", "capacity_curriculum", "student_calibration", "distillation")
+
+
+#: Keys added to the configs after some runs finished: absent from a result, they are unchanged if now off.
+OFF_WHEN = {
+    "student_calibration": lambda v: v.get("batches") == 0,
+    "capacity_curriculum": lambda v: v.get("ramp_steps") == 0,
+    "distillation": lambda v: v.get("weight") == 0,
+}
+
+
+def planned_config(study: Dict[str, Any], run: Dict[str, Any], seed: int, output_dir: Path) -> Dict[str, Any]:
+    """The resolved training config ``train_command`` would run (its ``key=value`` arguments applied)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run["config"])
+    for key, value in train_overrides(study, run, seed, output_dir).items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def stale_keys(study: Dict[str, Any], run: Dict[str, Any], result: Dict[str, Any]) -> List[str]:
+    """Config entries in which the study's current definition of ``run`` differs from what ``result`` trained
+    (empty: the result is current). A study file or shipped config edited after a run finished otherwise leaves
+    its old numbers in the tables without a word."""
+    planned = planned_config(study, run, int(result["seed"]), Path(result["output_dir"]))
+    recorded = result.get("config") or {}
+    return [key for key in COMPARED_KEYS if planned.get(key) != recorded.get(key)
+            and not (key not in recorded and key in OFF_WHEN and OFF_WHEN[key](planned.get(key) or {}))]
 
 
 def subprocess_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -665,9 +705,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     for run in runs:
         for seed in seeds:
             rid = run_id(run["name"], seed)
-            if (out_dir / "runs" / f"{rid}.json").is_file():
-                print(f"== {rid}: done, skipped", flush=True)
-                continue
+            result_path = out_dir / "runs" / f"{rid}.json"
+            if result_path.is_file():
+                stale = stale_keys(study, run, json.loads(result_path.read_text()))
+                if not stale:
+                    print(f"== {rid}: done, skipped", flush=True)
+                    continue
+                if not args.rerun_stale:
+                    print(f"== {rid}: STALE: the study now defines {', '.join(stale)} differently from what this "
+                          f"result trained; --rerun-stale retrains it (or delete {result_path})", flush=True)
+                    failures.append(rid)
+                    continue
+                print(f"== {rid}: stale ({', '.join(stale)}): retraining", flush=True)
+                if not args.dry_run:
+                    result_path.unlink()
+                    shutil.rmtree(Path(study["work_dir"]) / "runs" / rid, ignore_errors=True)
             if args.dry_run:
                 output_dir = Path(study["work_dir"]) / "runs" / rid
                 print(f"== {rid}: would train: " + " ".join(train_command(study, run, seed, output_dir)), flush=True)
@@ -966,6 +1018,17 @@ def aggregate(out_dir: Path) -> Path:
     """Write ``<out_dir>/README.md`` and the plots from the run JSONs present (a partial study is fine)."""
     out_dir = Path(out_dir)
     spec, runs = load_results(out_dir)
+    stale_lines = []
+    for run_spec in spec.get("runs", []):
+        if run_spec["name"] not in runs or not Path(run_spec["config"]).is_file():
+            continue
+        current = []
+        for result in runs[run_spec["name"]]:
+            keys = stale_keys(spec, run_spec, result)
+            current.append(result) if not keys else stale_lines.append(
+                f"- `{run_id(result['name'], result['seed'])}`: trained with other {', '.join(keys)} than the study now defines")
+        runs[run_spec["name"]] = current
+    runs = {n: rs for n, rs in runs.items() if rs}
     expected_names = [r["name"] for r in spec.get("runs", [])]
     order = expected_names + sorted(n for n in runs if n not in expected_names)
     expected_seeds = [int(s) for s in spec.get("seeds", [])]
@@ -1002,6 +1065,9 @@ def aggregate(out_dir: Path) -> Path:
         lines += ["**PARTIAL STUDY** — missing:", "", *missing_lines, ""]
     else:
         lines += ["Complete: every run has every seed of the study.", ""]
+    if stale_lines:
+        lines += ["**Stale results, left out of every table** (the study file or a config changed after they "
+                  "finished; `study.py run --rerun-stale` retrains them):", "", *stale_lines, ""]
     budget = spec.get("budget")
     heldout = spec.get("heldout") or {}
     if budget is not None:
@@ -1089,6 +1155,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     run.add_argument("--seeds", nargs="+", type=int, help="these seeds instead of the study's")
     run.add_argument("--no-aggregate", action="store_true", help="do not rewrite <out_dir>/README.md afterwards")
     run.add_argument("--dry-run", action="store_true", help="print the training commands, run nothing")
+    run.add_argument("--rerun-stale", action="store_true",
+                     help="retrain finished runs whose study definition changed since (default: report them and fail)")
     run.set_defaults(fn=cmd_run)
     agg = sub.add_parser("aggregate", help="write <out_dir>/README.md and the plots from the run JSONs")
     agg.add_argument("out_dir")

@@ -166,7 +166,7 @@ def test_micro_study_end_to_end(workdir):
     # A second seed (here: copies with shifted losses) gives paired differences with a t-interval.
     for name, shift in (("dense", 0.0), ("stt", 0.3)):
         result = json.loads((out / "runs" / f"{name}__seed0.json").read_text())
-        result["seed"] = 1
+        result["seed"] = result["config"]["seed"] = 1
         result["heldout"]["student_loss"] += shift
         (out / "runs" / f"{name}__seed1.json").write_text(json.dumps(result))
     proc = driver(workdir, "aggregate", str(out))
@@ -182,6 +182,18 @@ def test_micro_study_end_to_end(workdir):
     half = 12.706 * 0.15  # t_{0.975,1} × SE, SE = sd/√2 = 0.3/√2/√2
     assert (low, high) == pytest.approx((diff0 + 0.15 - half, diff0 + 0.15 + half), abs=2e-3)
     assert "`mod`: no seed finished" in readme and "`stt`: seeds [1] missing" not in readme
+
+    # The study is edited after `stt` finished: its results are stale — reported, never silently kept.
+    write_study(workdir, seeds=[0, 1], runs=[RUNS[0], {**RUNS[1], "overrides": {"model.gate": "scaled"}}, RUNS[2]])
+    proc = driver(workdir, "run", str(study), "--only", "stt", "--seeds", "0", "--no-aggregate")
+    assert proc.returncode == 1 and "stt__seed0: STALE" in proc.stdout and "model" in proc.stdout, proc.stdout[-2000:]
+    assert (out / "runs" / "stt__seed0.json").is_file()  # kept until asked
+    proc = driver(workdir, "aggregate", str(out))
+    readme = (out / "README.md").read_text()
+    assert "Stale results" in readme and "`stt__seed0`: trained with other model" in readme
+    assert "`stt`: no seed finished" in readme  # left out of the tables
+    proc = driver(workdir, "run", str(study), "--only", "stt", "--seeds", "0", "--rerun-stale", "--dry-run")
+    assert proc.returncode == 0 and "stale (model): retraining" in proc.stdout and "would train" in proc.stdout
 
 
 @pytest.mark.slow
