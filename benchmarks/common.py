@@ -38,7 +38,7 @@ def config_routing(variant: str) -> Dict:
     cfg = OmegaConf.load(REPO / "configs" / f"{variant}_qwen0_5b.yaml")
     model = OmegaConf.to_container(cfg.model, resolve=True)
     model.pop("_component_")
-    # The speed bars and closed forms are stated for γ on every other layer (DESIGN §8), whatever
+    # The speed bars and closed forms are stated for γ on every other layer (docs/design.md §8), whatever
     # placement the training configs ship.
     model["routed_layers"] = "every_other"
     return model

@@ -20,7 +20,7 @@ from torchtune_dtf.modules import (
 
 
 def test_predictor_width_rule():
-    assert predictor_width(0.0625, 896) == 56  # Qwen2.5-0.5B at f = 0.0625 (DESIGN §3.3)
+    assert predictor_width(0.0625, 896) == 56  # Qwen2.5-0.5B at f = 0.0625 (docs/design.md §3.3)
     assert predictor_width(0.0001, 64) == 2
     assert predictor_width(0.1, 64) == 8  # ceil(6.4) = 7 → rounded up to even
 

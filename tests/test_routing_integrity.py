@@ -1,4 +1,4 @@
-"""Routing that means what it says (DESIGN R1–R5): rankings that carry the surprise signal in the dtype
+"""Routing that means what it says (docs/design.md R1–R5): rankings that carry the surprise signal in the dtype
 and at the β real configs reach, one gate semantics for training and inference, packed documents routed
 as if alone, student modes that refuse to do nothing or to cheat, pads that never take a budget slot."""
 

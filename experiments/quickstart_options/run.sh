@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The routing options of DESIGN R2/R5 measured on the quickstart (issue 12): each run fine-tunes SmolLM2-135M
+# The routing options of docs/design.md R2/R5 measured on the quickstart (issue 12): each run fine-tunes SmolLM2-135M
 # as STT (γ = 0.5) for the quickstart's steps with one option changed from the papers' setting, then
 # `python -m torchtune_dtf.training.routing_report` scores it against the dense control on the held-out works
 # (student = the deployed causal routing) and writes one JSON per run next to this script.

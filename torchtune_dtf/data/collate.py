@@ -1,4 +1,4 @@
-"""Collation of packed batches for routed models (DESIGN R3).
+"""Collation of packed batches for routed models (docs/design.md R3).
 
 torchtune's ``padded_collate_packed`` returns a flex-attention ``BlockMask`` where flex attention is
 available. Routed layers gather the selected tokens of each row and look their mask entries up, which

@@ -6,7 +6,7 @@ Both predict a transformer block's residual update Δx from a single state vecto
 * TPN (paper §3.2, eq. 10; spec §4.2): Δx̂_t = TPN(x_{t-1}^(l)) — a temporal prior from the previous
   token's output state at the same layer (x_0 = 0).
 
-They share one architecture (DESIGN §3.3): input RMSNorm, then a bias-free SwiGLU MLP like Qwen's,
+They share one architecture (docs/design.md §3.3): input RMSNorm, then a bias-free SwiGLU MLP like Qwen's,
 with intermediate width d_i = max(2, ceil(f·d)) rounded up to an even number, weights N(0, std²).
 """
 

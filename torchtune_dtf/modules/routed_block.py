@@ -1,16 +1,16 @@
 """Run a torchtune ``TransformerSelfAttentionLayer``'s weights on a selection of tokens.
 
-This is the one executor every variant shares (DESIGN §9): the variants differ only in how they decide
+This is the one executor every variant shares (docs/design.md §9): the variants differ only in how they decide
 (selection, gate). For each batch row it
 
 1. gathers the selected tokens in time order (``[b, k, d]``), keeping their original positions for RoPE;
 2. runs pre-norm attention where a selected token attends only to selected tokens of the same row at or
-   before it (skipped tokens are neither keys nor values here; rows never see each other — DESIGN §3.7);
+   before it (skipped tokens are neither keys nor values here; rows never see each other — docs/design.md §3.7);
    with a :class:`SelectiveKVCache`, the gathered tokens' K/V are appended to the row's cache first and
    the queries attend over the row's stored entries. With ``skipped_tokens_write_kv`` (context-preserving
    attention) every token computes and stores its K/V and the selected queries attend over all of them;
 3. runs the MLP, and forms the block's update Δ = attn_out + mlp_out;
-4. scales Δ by the gate (attention and MLP together, DESIGN §3.5) and adds it back at the selected
+4. scales Δ by the gate (attention and MLP together, docs/design.md §3.5) and adds it back at the selected
    positions: x_t ← x_t + g_t·Δ_t; skipped tokens pass unchanged.
 
 Only the selected tokens are computed, so the work is k/s of the dense block's linear work and (k/s)² of

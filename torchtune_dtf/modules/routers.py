@@ -1,10 +1,10 @@
 """Token routers that score tokens causally, before a block runs.
 
 * :class:`MoDRouter` — Mixture-of-Depths router r_t = w·x_t (Raposo et al. 2024; paper eq. 4). Its scores
-  pick the teacher top-k in training and σ(r_t) scales the selected tokens' updates (DESIGN §3.5).
+  pick the teacher top-k in training and σ(r_t) scales the selected tokens' updates (docs/design.md §3.5).
 * :class:`CausalRouter` — the student (spec §4.7): a small MLP on RMSNorm(x_t), or on
   [RMSNorm(x_t) ‖ RMSNorm(x_{t−1})] with x_0 = 0, trained with BCE against the teacher mask.
-  Its inputs are detached by the caller so the student never pulls on the backbone (DESIGN §3.4, §3.8).
+  Its inputs are detached by the caller so the student never pulls on the backbone (docs/design.md §3.4, §3.8).
 """
 
 from typing import List, Optional
@@ -39,7 +39,7 @@ class MoDRouter(nn.Module):
     """Linear router r_t = w·x_t. ``[b, s, d]`` → ``[b, s]`` fp32 logits.
 
     The product is taken in fp32: bf16 logits keep 8 significant bits, so a top-k over them would be
-    decided by ties (position order) for many tokens (DESIGN R1)."""
+    decided by ties (position order) for many tokens (docs/design.md R1)."""
 
     def __init__(self, embed_dim: int, init_std: float) -> None:
         super().__init__()

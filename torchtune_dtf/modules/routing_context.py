@@ -70,7 +70,7 @@ class RoutingContext:
             switch (dense-equivalence checks, ablations), not a training setting.
         execute (str): teacher mode only: whose mask the routed pass runs. ``"teacher"`` (the papers),
             or ``"student"``: the causal router's own selection, as inference will run it (scheduled
-            sampling, DESIGN R2); the teacher still decides the targets of the auxiliary losses.
+            sampling, docs/design.md R2); the teacher still decides the targets of the auxiliary losses.
         capacity_progress (float): teacher mode only, the capacity curriculum: a routed layer of capacity
             γ keeps γ' = 1 − p·(1 − γ) of each sequence, from every token (p = 0) to γ (p = 1).
     """

@@ -3,9 +3,9 @@
 A :class:`Selection` holds, per batch row, the time-ordered positions (sequence indices) of the tokens
 that run the block. A row may hold several sequences (packed documents, or left padding, where every pad
 is a sequence of its own): ``starts [b, s]`` marks the first token of each, and per-sequence budgets
-(top-k) count each sequence's own tokens (DESIGN R3, R4). Rows may select different numbers of tokens (threshold routing); the index tensor
+(top-k) count each sequence's own tokens (docs/design.md R3, R4). Rows may select different numbers of tokens (threshold routing); the index tensor
 is then padded to the largest count and ``valid`` marks the real entries. Keeping indices sorted in
-time order is what makes the causal mask over the gathered tokens correct (DESIGN §3.7, §7).
+time order is what makes the causal mask over the gathered tokens correct (docs/design.md §3.7, §7).
 """
 
 import math
@@ -36,7 +36,7 @@ class Selection:
 
 
 def topk_selection(scores: torch.Tensor, k: int) -> Selection:
-    """Per-row top-k with deterministic ties: among equal scores the lower position wins (DESIGN §3.9).
+    """Per-row top-k with deterministic ties: among equal scores the lower position wins (docs/design.md §3.9).
 
     Args:
         scores (torch.Tensor): ``[b, s]``.
@@ -77,7 +77,7 @@ def sequence_bounds(starts: torch.Tensor):
 def segment_topk_selection(scores: torch.Tensor, starts: torch.Tensor, capacity: float) -> Selection:
     """Top-k within every sequence of every row: a sequence of n tokens runs ⌊γ·n⌋ of them.
 
-    Ties resolve to the earlier token (DESIGN §3.9). With one sequence per row this is
+    Ties resolve to the earlier token (docs/design.md §3.9). With one sequence per row this is
     :func:`topk_selection` with k = ⌊γ·s⌋.
 
     Args:
@@ -128,7 +128,7 @@ def batch_topk_rows(scores: torch.Tensor, capacity: float) -> torch.Tensor:
 
     Raises:
         ValueError: when ⌊γ·b⌋ = 0. Such a step would skip the routed layer for every row, silently;
-            every generated token would leave the layer unchanged (DESIGN R4).
+            every generated token would leave the layer unchanged (docs/design.md R4).
     """
     num_rows = int(math.floor(capacity * scores.shape[0]))
     if num_rows == 0:
@@ -151,7 +151,7 @@ def scatter_updates(x: torch.Tensor, selection: Selection, update: torch.Tensor)
     """Add ``update [b, k, d]`` to the selected tokens of ``x [b, s, d]``; others pass unchanged.
 
     Padding entries of a ragged selection contribute zero, so duplicate padding indices are harmless and
-    the residual is added exactly once per selected token (DESIGN §7).
+    the residual is added exactly once per selected token (docs/design.md §7).
     """
     if selection.valid is not None:
         update = update * selection.valid[..., None].to(update.dtype)

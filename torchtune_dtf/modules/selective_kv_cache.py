@@ -1,4 +1,4 @@
-"""Per-row KV cache for routed layers: only tokens that ran the block write K/V (DESIGN §4).
+"""Per-row KV cache for routed layers: only tokens that ran the block write K/V (docs/design.md §4).
 
 torchtune's ``KVCache`` keeps one shared write position for the whole batch. A routed layer cannot:
 each row executes a different number of tokens, so each row has its own fill level. Every stored entry

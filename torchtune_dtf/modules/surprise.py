@@ -10,7 +10,7 @@ spec §4.3–4.5):
     S_CE = σ(β_ce · CE),  S_CU = σ(β_cu · CU)
     g    = S_CE + S_CU − S_CE · S_CU         probabilistic OR
 
-Numerics (DESIGN R1). Every quantity here is computed in fp32 whatever the model dtype, and tokens are
+Numerics (docs/design.md R1). Every quantity here is computed in fp32 whatever the model dtype, and tokens are
 ranked not by g but by a transform of it that does not saturate. At β = 100, σ(β·CE) rounds to 1.0 for
 CE ≳ 0.17 in fp32 (and for far smaller CE in bf16): g == 1.0 for most tokens of a trained layer, and a
 top-k over g would fall back to the tie rule, i.e. position order. The rank score is monotone in g:
@@ -22,8 +22,8 @@ top-k over g would fall back to the tie rule, i.e. position order. The rank scor
 so g ≥ g_th ⟺ score ≥ score(g_th), and only exactly equal scores are left to the tie rule.
 
 o_ce and m_cu are learnable and kept positive as softplus(raw); raw is initialised so that
-softplus(raw) equals the configured init exactly (DESIGN §3.2). β_ce and β_cu are scheduled by the
-trainer and passed in on every call (DESIGN §3.1); they are never parameters.
+softplus(raw) equals the configured init exactly (docs/design.md §3.2). β_ce and β_cu are scheduled by the
+trainer and passed in on every call (docs/design.md §3.1); they are never parameters.
 """
 
 import math
@@ -55,7 +55,7 @@ def causal_moving_average(
 
     MA_t = mean(values[max(start_t, t − window + 1) : t + 1]) where start_t is the first token of t's
     sequence: the first tokens average over the history they have, and the average restarts with every
-    sequence (spec §4.4, §9), including every packed document (DESIGN R3).
+    sequence (spec §4.4, §9), including every packed document (docs/design.md R3).
 
     Args:
         values (torch.Tensor): ``[b, s]``.

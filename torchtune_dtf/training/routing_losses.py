@@ -91,7 +91,7 @@ def first_half_share(mask: torch.Tensor) -> float:
 def routing_metrics(routing: RoutingContext, prefix: str = "routing") -> Dict[str, float]:
     """Flat per-layer means for logging: D_st, D_ch, S_CE, S_CU, g, o_ce, m_cu, selected fractions,
     teacher–student agreement (accuracy, precision, recall) and, for the teacher, the share of tied
-    ranking scores and of selected tokens in the first half of the window (DESIGN R1) and, for SDT/STT,
+    ranking scores and of selected tokens in the first half of the window (docs/design.md R1) and, for SDT/STT,
     the shares of its selected tokens whose CE and whose CU criterion is positive, keyed
     ``{prefix}/layer_{i}/{name}``."""
     metrics: Dict[str, float] = {}

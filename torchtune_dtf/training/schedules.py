@@ -91,7 +91,7 @@ class LossWeights:
 
 @dataclass(frozen=True)
 class ScheduledSampling:
-    """Share of optimizer steps whose routed pass runs the student's own mask (DESIGN R2).
+    """Share of optimizer steps whose routed pass runs the student's own mask (docs/design.md R2).
 
     Inference executes what the causal router selects; training on the teacher's mask alone never shows
     the backbone that. share(s) = share_start + min(1, s / ramp_steps)·(share_end − share_start)
