@@ -662,6 +662,19 @@ def test_task_yaml_loads_in_lm_eval_task_manager(prepared, monkeypatch, tmp_path
     assert result["results"]["heldout_next_sentence"]["acc,none"] == 1.0
 
 
+def test_task_yaml_quotes_awkward_values(tmp_path):
+    """Paths with YAML syntax in them and Jinja templates come back unchanged from the generated files."""
+    import yaml
+
+    data = tmp_path / "odd: dir #1" / 'it\'s "q".jsonl'
+    mc = yaml.safe_load(corpus_mod.task_yaml("mc", data))
+    assert mc["dataset_kwargs"]["data_files"]["test"] == str(data)
+    assert (mc["doc_to_text"], mc["doc_to_choice"], mc["doc_to_target"]) == ("{{context}}", "choices", "label")
+    ppl = yaml.safe_load(corpus_mod.write_perplexity_task(data, tmp_path / "tasks").read_text(encoding="utf-8"))
+    assert ppl["dataset_kwargs"]["data_files"]["test"] == str(data)
+    assert (ppl["doc_to_text"], ppl["doc_to_target"]) == ("", "{{text}}")
+
+
 def test_perplexity_task_scores_every_heldout_document(prepared, monkeypatch, tmp_path):
     import lm_eval
     from lm_eval.api.model import LM
