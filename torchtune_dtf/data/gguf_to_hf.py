@@ -158,20 +158,9 @@ _QKV_BIAS = regex.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.bias")
 
 #: ``Qwen2Config`` fields copied from the config transformers reads out of the GGUF.
 _QWEN2_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "hidden_act",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "rope_theta",
-    "tie_word_embeddings",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
 )
 
 # torchtune configs list ``model.safetensors`` as the one checkpoint file, so save_pretrained must never
