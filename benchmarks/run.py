@@ -13,6 +13,7 @@ Every ratio is routed/dense measured in the same process, printed next to the cl
 import argparse
 import json
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ if __name__ == "__main__":
         os.execv(sys.executable, [sys.executable, "-m", "benchmarks.run", *sys.argv[1:]])
 
 import torch
+from tabulate import tabulate
 from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.common_utils import delete_kv_caches
 from torchtune.modules.loss import CEWithChunkedOutputLoss
@@ -739,141 +741,201 @@ def _pf(ok) -> str:
     return "pass" if ok else "**FAIL**"
 
 
+def _table(headers: List[str], rows: List[List]) -> List[str]:
+    """A Markdown (GitHub pipe) table as lines. Cells are formatted by the caller; ``disable_numparse`` keeps
+    tabulate from re-formatting numbers that are already strings (``"0.8000"`` would become ``0.8``)."""
+    return tabulate(rows, headers, tablefmt="github", disable_numparse=True).splitlines() + [""]
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name (Linux ``/proc/cpuinfo``), else what :mod:`platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def describe_device() -> Dict:
+    """What this process measures on: every model here is built and timed on the CPU, with the intra-op
+    thread count in force now; CUDA devices are listed only to say whether GPU numbers could have been taken."""
+    cuda = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return dict(cpu=_cpu_model(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                threads=torch.get_num_threads(), logical_cpus=os.cpu_count(), cuda=cuda)
+
+
+def _device_text(device: Dict) -> str:
+    return (f"CPU {device['cpu']} ({device['cpu_capability']}), {device['threads']} thread(s) of "
+            f"{device['logical_cpus']} logical CPUs")
+
+
+def _gpu_status(device) -> Tuple[str, str]:
+    """(status, explanation) of the GPU numbers, from the device a run recorded (``None``: results written
+    before runs recorded their device)."""
+    if device is None:
+        return "not recorded", "these results predate the device record; every number above is CPU (fp32)"
+    if not device["cuda"]:
+        return "pending", "the machine that ran this had no CUDA device; every number above is CPU (fp32)"
+    return "not measured", (f"CUDA device(s) {', '.join(device['cuda'])} present, but this suite builds and times "
+                            "its models on the CPU only; every number above is CPU (fp32)")
+
+
 def render_markdown(results: Dict) -> str:
     meta = results["meta"]
-    out = [f"Shape `{meta['size']}`, {meta['threads']} thread(s) on {meta['cpus']} shared cores, fp32, torch {meta['torch']}, "
+    device = meta.get("device")
+    measured_on = (_device_text(device) if device
+                   else f"CPU (model not recorded), {meta['threads']} thread(s) of {meta['cpus']} logical CPUs")
+    out = [f"Shape `{meta['size']}`, fp32 on {measured_on}, torch {meta['torch']}, "
            f"{'quick' if meta['quick'] else 'full'} plan. Sections and the commands that produced them:", ""]
     for name in SECTIONS:
         if name in results:
             r = results[name]
             denormals = "subnormals flushed to zero" if r.get("flush_denormal") else "subnormals kept"
+            if r.get("device") == device:
+                elsewhere = ""
+            else:  # merged from an earlier run on another machine, or from before runs recorded their device
+                elsewhere = f", on {_device_text(r['device'])}" if r.get("device") else ", device not recorded"
             out.append(f"- {name}: `{r['command']}` ({r['elapsed_s']:.0f} s, load average at end {r['loadavg_end'][0]:.1f}, "
-                       f"{denormals})")
+                       f"{denormals}{elsewhere})")
     out += ["", "### Summary of the bars", ""] + render_summary(results)
     if "flops" in results:
         r = results["flops"]
-        out += [f"### 1. FLOPs per forward (FlopCounterMode, b = 1, T = {r['seq_len']}, student top-k)", "",
-                "| variant | γ | measured total ratio | closed form (ideal + routers) | ideal (no routers) | routers share | attention measured / closed | decoder linear measured / closed | bar |",
-                "|---|---|---|---|---|---|---|---|---|"]
-        for row in r["rows"][1:]:
-            out.append(f"| {row['variant']} | {row['gamma']} | {row['ratio_total']:.4f} | {row['closed_ratio_total']:.4f} | "
-                       f"{row['closed_ideal_total']:.4f} | {100 * row['routers_share']:.2f} % | "
-                       f"{row['ratio_attention']:.4f} / {row['closed_ratio_attention']:.4f} | "
-                       f"{row['ratio_block_linear']:.4f} / {row['closed_ratio_block_linear']:.4f} | {_pf(row['passed'])} |")
+        out += [f"### 1. FLOPs per forward (FlopCounterMode, b = 1, T = {r['seq_len']}, student top-k)", ""]
+        out += _table(
+            ["variant", "γ", "measured total ratio", "closed form (ideal + routers)", "ideal (no routers)", "routers share",
+             "attention measured / closed", "decoder linear measured / closed", "bar"],
+            [[row["variant"], row["gamma"], f"{row['ratio_total']:.4f}", f"{row['closed_ratio_total']:.4f}",
+              f"{row['closed_ideal_total']:.4f}", f"{100 * row['routers_share']:.2f} %",
+              f"{row['ratio_attention']:.4f} / {row['closed_ratio_attention']:.4f}",
+              f"{row['ratio_block_linear']:.4f} / {row['closed_ratio_block_linear']:.4f}", _pf(row["passed"])]
+             for row in r["rows"][1:]])
         t = r["train"]
-        out += ["", f"Training forward + backward FLOPs (teacher mode, b = {t['batch']}, T = {t['seq_len']}):", "",
-                "| variant | measured | closed form | routed/dense measured | closed ratio | bar |", "|---|---|---|---|---|---|"]
-        for row in t["rows"]:
-            out.append(f"| {row['variant']} | {cf.fmt_flops(row['measured'])} | {cf.fmt_flops(row['closed'])} | "
-                       f"{row['ratio']:.4f} | {row['closed_ratio']:.4f} | {_pf(row['passed'])} |")
-        out.append("")
+        out += [f"Training forward + backward FLOPs (teacher mode, b = {t['batch']}, T = {t['seq_len']}):", ""]
+        out += _table(
+            ["variant", "measured", "closed form", "routed/dense measured", "closed ratio", "bar"],
+            [[row["variant"], cf.fmt_flops(row["measured"]), cf.fmt_flops(row["closed"]), f"{row['ratio']:.4f}",
+              f"{row['closed_ratio']:.4f}", _pf(row["passed"])] for row in t["rows"]])
     if "prefill" in results:
         r = results["prefill"]
-        out += ["### 2. Prefill wall-clock (student top-k, γ = 0.5, no cache, inference_mode)", "",
-                "| variant | b | T | rounds | dense s | routed s | routed/dense | ratio of medians | ratio of minima | FLOP ratio closed form | bar ≤ 1.05× | result |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for row in r["rows"]:
-            res = _pf(row["passed"]) if row["bar_applies"] else f"reported ({'within' if row['passed'] else 'above'})"
-            out.append(f"| {row['variant']} | {row['batch']} | {row['seq_len']} | {len(row['times'])} | {row['dense_s']:.2f} | "
-                       f"{row['routed_s']:.2f} | {row['ratio']:.3f} | {row['ratio_of_medians']:.3f} | {row['ratio_min']:.3f} | "
-                       f"{row['closed']:.3f} | {row['bar']:.3f} | {res} |")
-        out += [""] + _render_profiles(r.get("profiles"), f"prefill b, T = {r['profile_config']}")
+        out += ["### 2. Prefill wall-clock (student top-k, γ = 0.5, no cache, inference_mode)", ""]
+        out += _table(
+            ["variant", "b", "T", "rounds", "dense s", "routed s", "routed/dense", "ratio of medians", "ratio of minima",
+             "FLOP ratio closed form", "bar ≤ 1.05×", "result"],
+            [[row["variant"], row["batch"], row["seq_len"], len(row["times"]), f"{row['dense_s']:.2f}",
+              f"{row['routed_s']:.2f}", f"{row['ratio']:.3f}", f"{row['ratio_of_medians']:.3f}", f"{row['ratio_min']:.3f}",
+              f"{row['closed']:.3f}", f"{row['bar']:.3f}",
+              _pf(row["passed"]) if row["bar_applies"] else f"reported ({'within' if row['passed'] else 'above'})"]
+             for row in r["rows"]])
+        out += _render_profiles(r.get("profiles"), f"prefill b, T = {r['profile_config']}")
     if "train" in results:
         r = results["train"]
         out += ["### 3. Training step (teacher mode, fwd + bwd + AdamW, γ = 0.5)", ""]
         for bt, d in r["dense_phases"].items():
             out.append(f"Dense step at b × T = {bt}: {d['step']:.2f} s = fwd {d['fwd']:.2f} + bwd {d['bwd']:.2f} + "
                        f"optimizer {d['opt']:.2f}.")
-        out += ["",
-                "| variant | b | T | step ratio | fwd+bwd ratio | training FLOP ratio (closed) | bar ≤ 1.05× | step (fwd+bwd) result | step if optimizer fixed, fwd+bwd ideal |",
-                "|---|---|---|---|---|---|---|---|---|"]
-        for row in r["rows"]:
-            res = f"{_pf(row['passed'])} ({_pf(row['passed_fwd_bwd'])})" if row["bar_applies"] else f"reported ({'within' if row['passed'] else 'above'} 1.05×)"
-            out.append(f"| {row['variant']} | {row['batch']} | {row['seq_len']} | {row['ratio']:.3f} | {row['ratio_fwd_bwd']:.3f} | "
-                       f"{row['closed']:.3f} | {row['bar']:.3f} | {res} | {row['expected_step_with_fixed_optimizer']:.3f} |")
-        out += [""] + _render_breakdowns(r.get("breakdowns", {}))
+        out += [""]
+        out += _table(
+            ["variant", "b", "T", "step ratio", "fwd+bwd ratio", "training FLOP ratio (closed)", "bar ≤ 1.05×",
+             "step (fwd+bwd) result", "step if optimizer fixed, fwd+bwd ideal"],
+            [[row["variant"], row["batch"], row["seq_len"], f"{row['ratio']:.3f}", f"{row['ratio_fwd_bwd']:.3f}",
+              f"{row['closed']:.3f}", f"{row['bar']:.3f}",
+              f"{_pf(row['passed'])} ({_pf(row['passed_fwd_bwd'])})" if row["bar_applies"]
+              else f"reported ({'within' if row['passed'] else 'above'} 1.05×)",
+              f"{row['expected_step_with_fixed_optimizer']:.3f}"] for row in r["rows"]])
+        out += _render_breakdowns(r.get("breakdowns", {}))
         out += _render_profiles(r.get("profiles"), "one training step")
     if "decode" in results:
         r = results["decode"]
-        out += [f"### 4. Decode per token (selective KV cache, threshold student calibrated to ≈ 50 %, median of {r['steps']} steps)", "",
-                "| variant | context | b | dense ms | routed ms | routed/dense | (min) | bytes ratio closed form (measured decisions) | nominal γ = 0.5 | γ̄ executed | weights read in | FLOP ratio closed form | bar ≤ 1.05× bytes (b = 1) | result |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for row in r["rows"]:
-            res = _pf(row["passed"]) if row["bar_applies"] else f"reported ({'within' if row['passed'] else 'above'})"
-            out.append(f"| {row['variant']} | {row['context']} | {row['batch']} | {row['dense_ms']:.1f} | {row['routed_ms']:.1f} | "
-                       f"{row['ratio']:.3f} | {row['ratio_min']:.3f} | {row['closed']:.3f} | {row['closed_nominal']:.3f} | "
-                       f"{row['executed_fraction']:.2f} | {100 * row['weights_read_fraction']:.0f} % of steps | {row['flops_closed']:.3f} | "
-                       f"{row['bar']:.3f} | {res} |")
-        out += ["", "### 5. KV cache after prefill (batch 1)", "",
-                "| variant | context | γ̄ (measured executed fraction) | entries per routed layer = executed tokens | occupied bytes routed/dense | closed form (1+γ̄)/2 (per-layer γ̄) | allocated bytes routed/dense | result |",
-                "|---|---|---|---|---|---|---|---|"]
-        for row in r["kv"]:
-            out.append(f"| {row['variant']} | {row['context']} | {row['gamma_bar']:.3f} | {row['per_layer_entries_equal_executed']} | "
-                       f"{row['occupied_ratio']:.4f} | {row['closed_uniform']:.4f} ({row['closed']:.4f}) | {row['allocated_ratio']:.4f} | "
-                       f"{_pf(row['passed'])} (occupied); allocated: {'saves' if row['allocated_ratio'] < 0.99 else 'no saving'} |")
-        out.append("")
+        out += [f"### 4. Decode per token (selective KV cache, threshold student calibrated to ≈ 50 %, median of {r['steps']} steps)", ""]
+        out += _table(
+            ["variant", "context", "b", "dense ms", "routed ms", "routed/dense", "(min)",
+             "bytes ratio closed form (measured decisions)", "nominal γ = 0.5", "γ̄ executed", "weights read in",
+             "FLOP ratio closed form", "bar ≤ 1.05× bytes (b = 1)", "result"],
+            [[row["variant"], row["context"], row["batch"], f"{row['dense_ms']:.1f}", f"{row['routed_ms']:.1f}",
+              f"{row['ratio']:.3f}", f"{row['ratio_min']:.3f}", f"{row['closed']:.3f}", f"{row['closed_nominal']:.3f}",
+              f"{row['executed_fraction']:.2f}", f"{100 * row['weights_read_fraction']:.0f} % of steps",
+              f"{row['flops_closed']:.3f}", f"{row['bar']:.3f}",
+              _pf(row["passed"]) if row["bar_applies"] else f"reported ({'within' if row['passed'] else 'above'})"]
+             for row in r["rows"]])
+        out += ["### 5. KV cache after prefill (batch 1)", ""]
+        out += _table(
+            ["variant", "context", "γ̄ (measured executed fraction)", "entries per routed layer = executed tokens",
+             "occupied bytes routed/dense", "closed form (1+γ̄)/2 (per-layer γ̄)", "allocated bytes routed/dense", "result"],
+            [[row["variant"], row["context"], f"{row['gamma_bar']:.3f}", row["per_layer_entries_equal_executed"],
+              f"{row['occupied_ratio']:.4f}", f"{row['closed_uniform']:.4f} ({row['closed']:.4f})",
+              f"{row['allocated_ratio']:.4f}",
+              f"{_pf(row['passed'])} (occupied); allocated: {'saves' if row['allocated_ratio'] < 0.99 else 'no saving'}"]
+             for row in r["kv"]])
     if "overhead" in results:
         r = results["overhead"]
-        out += ["### 6. Routing overhead vs one dense layer (layer 1, γ = 0.5)", "",
-                "| variant | student | b | T | router | selection | gather | scatter+gate | mask | total share | bar ≤ 5 % | routed layer / dense layer | (routed − block on k)/dense |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for row in r["rows"]:
-            s = row["share_by_part"]
-            out.append(f"| {row['variant']} | {row['mode']}{' (ragged)' if row['ragged'] else ''} | {row['batch']} | {row['seq_len']} | "
-                       f"{100 * s['router']:.2f} % | {100 * s['selection']:.2f} % | {100 * s['gather']:.2f} % | {100 * s['scatter+gate']:.2f} % | "
-                       f"{100 * s['mask_building']:.2f} % | {100 * row['share']:.2f} % | {_pf(row['passed'])} | {row['layer_ratio']:.3f} | "
-                       f"{100 * row['residual_share']:.1f} % |")
-        out.append("")
+        out += ["### 6. Routing overhead vs one dense layer (layer 1, γ = 0.5)", ""]
+        out += _table(
+            ["variant", "student", "b", "T", "router", "selection", "gather", "scatter+gate", "mask", "total share",
+             "bar ≤ 5 %", "routed layer / dense layer", "(routed − block on k)/dense"],
+            [[row["variant"], f"{row['mode']}{' (ragged)' if row['ragged'] else ''}", row["batch"], row["seq_len"],
+              *(f"{100 * row['share_by_part'][part]:.2f} %"
+                for part in ("router", "selection", "gather", "scatter+gate", "mask_building")),
+              f"{100 * row['share']:.2f} %", _pf(row["passed"]), f"{row['layer_ratio']:.3f}",
+              f"{100 * row['residual_share']:.1f} %"] for row in r["rows"]])
     if "naive" in results:
         r = results["naive"]
-        out += ["### 7. Naive alternative (dense block on every token, then mask) vs ours", "",
-                "| level | variant | b | T | ours / dense | naive / dense | naive / ours |", "|---|---|---|---|---|---|---|"]
-        for row in r["rows"]:
-            out.append(f"| {row['level']} | {row['variant']} | {row['batch']} | {row['seq_len']} | {row['routed_vs_dense']:.3f} | "
-                       f"{row['naive_vs_dense']:.3f} | {row['naive_vs_routed']:.3f} |")
-        out.append("")
-    out += ["### 8. GPU", "", "GPU numbers pending: no GPU was lent to this task; everything above is CPU (fp32).", ""]
+        out += ["### 7. Naive alternative (dense block on every token, then mask) vs ours", ""]
+        out += _table(
+            ["level", "variant", "b", "T", "ours / dense", "naive / dense", "naive / ours"],
+            [[row["level"], row["variant"], row["batch"], row["seq_len"], f"{row['routed_vs_dense']:.3f}",
+              f"{row['naive_vs_dense']:.3f}", f"{row['naive_vs_routed']:.3f}"] for row in r["rows"]])
+    out += ["### 8. GPU", "", "GPU numbers {}: {}.".format(*_gpu_status(device)), ""]
     return "\n".join(out)
 
 
 def render_summary(results: Dict) -> List[str]:
     """One row per bar of issue #4: measured ratio, closed form, bar, result."""
-    out = ["| # | bar | configuration | measured | closed form | bar | result |", "|---|---|---|---|---|---|---|"]
+    rows = []
     if "flops" in results:
-        rows = results["flops"]["rows"][1:]
-        worst = max(rows, key=lambda r: abs(r["ratio_total"] - r["closed_ratio_total"]) / r["closed_ratio_total"])
-        out.append(f"| 1 | FLOPs within 2 % of closed form (+ routers) | {len(rows)} variant × γ, worst: {worst['variant']} γ = {worst['gamma']} | "
-                   f"{worst['ratio_total']:.4f} | {worst['closed_ratio_total']:.4f} | ± 2 % | {_pf(all(r['passed'] for r in rows))} |")
+        flops = results["flops"]["rows"][1:]
+        worst = max(flops, key=lambda r: abs(r["ratio_total"] - r["closed_ratio_total"]) / r["closed_ratio_total"])
+        rows.append([1, "FLOPs within 2 % of closed form (+ routers)",
+                     f"{len(flops)} variant × γ, worst: {worst['variant']} γ = {worst['gamma']}",
+                     f"{worst['ratio_total']:.4f}", f"{worst['closed_ratio_total']:.4f}", "± 2 %",
+                     _pf(all(r["passed"] for r in flops))])
     if "prefill" in results:
         for row in results["prefill"]["rows"]:
             if row.get("bar_applies", True):
-                out.append(f"| 2 | prefill ≤ 1.05 × FLOP ratio | {row['variant']} b = {row['batch']} T = {row['seq_len']} | {row['ratio']:.3f} | "
-                           f"{row['closed']:.3f} | ≤ {row['bar']:.3f} | {_pf(row['passed'])} |")
+                rows.append([2, "prefill ≤ 1.05 × FLOP ratio", f"{row['variant']} b = {row['batch']} T = {row['seq_len']}",
+                             f"{row['ratio']:.3f}", f"{row['closed']:.3f}", f"≤ {row['bar']:.3f}", _pf(row["passed"])])
     if "train" in results:
         for row in results["train"]["rows"]:
             label = "train step ≤ 1.05 × FLOP ratio" if row["bar_applies"] else "train step (own closed form, reported)"
             res = _pf(row["passed"]) if row["bar_applies"] else ("within" if row["passed"] else "above")
-            out.append(f"| 3 | {label} | {row['variant']} b = {row['batch']} T = {row['seq_len']} | {row['ratio']:.3f} "
-                       f"(fwd+bwd {row['ratio_fwd_bwd']:.3f}) | {row['closed']:.3f} | ≤ {row['bar']:.3f} | {res} |")
+            rows.append([3, label, f"{row['variant']} b = {row['batch']} T = {row['seq_len']}",
+                         f"{row['ratio']:.3f} (fwd+bwd {row['ratio_fwd_bwd']:.3f})", f"{row['closed']:.3f}",
+                         f"≤ {row['bar']:.3f}", res])
     if "decode" in results:
         for row in results["decode"]["rows"]:
             if row["bar_applies"]:
-                out.append(f"| 4 | decode ≤ 1.05 × bytes ratio (b = 1) | {row['variant']} context {row['context']} | {row['ratio']:.3f} | "
-                           f"{row['closed']:.3f} | ≤ {row['bar']:.3f} | {_pf(row['passed'])} |")
+                rows.append([4, "decode ≤ 1.05 × bytes ratio (b = 1)", f"{row['variant']} context {row['context']}",
+                             f"{row['ratio']:.3f}", f"{row['closed']:.3f}", f"≤ {row['bar']:.3f}", _pf(row["passed"])])
         for row in results["decode"]["kv"]:
-            out.append(f"| 5 | KV bytes = executed × per-token; routed/dense = (1+γ̄)/2 | {row['variant']} context {row['context']}, "
-                       f"γ̄ = {row['gamma_bar']:.3f} | {row['occupied_ratio']:.4f} (allocated {row['allocated_ratio']:.4f}) | "
-                       f"{row['closed']:.4f} | exact | {_pf(row['passed'])} (occupied) |")
+            rows.append([5, "KV bytes = executed × per-token; routed/dense = (1+γ̄)/2",
+                         f"{row['variant']} context {row['context']}, γ̄ = {row['gamma_bar']:.3f}",
+                         f"{row['occupied_ratio']:.4f} (allocated {row['allocated_ratio']:.4f})", f"{row['closed']:.4f}",
+                         "exact", f"{_pf(row['passed'])} (occupied)"])
     if "overhead" in results:
         for row in results["overhead"]["rows"]:
-            out.append(f"| 6 | routing overhead ≤ 5 % of a dense layer | {row['variant']} {row['mode']} b = {row['batch']} T = {row['seq_len']} | "
-                       f"{100 * row['share']:.2f} % | – | ≤ 5 % | {_pf(row['passed'])} |")
+            rows.append([6, "routing overhead ≤ 5 % of a dense layer",
+                         f"{row['variant']} {row['mode']} b = {row['batch']} T = {row['seq_len']}",
+                         f"{100 * row['share']:.2f} %", "–", "≤ 5 %", _pf(row["passed"])])
     if "naive" in results:
         for row in results["naive"]["rows"]:
-            out.append(f"| 7 | naive (dense then mask) vs ours | {row['level']} {row['variant']} b = {row['batch']} T = {row['seq_len']} | "
-                       f"naive {row['naive_vs_dense']:.3f}× dense, ours {row['routed_vs_dense']:.3f}× | – | – | ours {row['naive_vs_routed']:.2f}× faster |")
-    out.append("| 8 | GPU | – | pending: no GPU lent to this task | – | – | – |")
-    return out + [""]
+            rows.append([7, "naive (dense then mask) vs ours",
+                         f"{row['level']} {row['variant']} b = {row['batch']} T = {row['seq_len']}",
+                         f"naive {row['naive_vs_dense']:.3f}× dense, ours {row['routed_vs_dense']:.3f}×", "–", "–",
+                         f"ours {row['naive_vs_routed']:.2f}× faster"])
+    rows.append([8, "GPU", "–", _gpu_status(results["meta"].get("device"))[0], "–", "–", "–"])
+    return _table(["#", "bar", "configuration", "measured", "closed form", "bar", "result"], rows)
 
 
 _PART_LABELS = dict(pairs="decoder layers (pairs × one pair)", lm_head_matmuls="LM head matmuls (norm, tied projection)",
@@ -887,15 +949,14 @@ def _render_breakdowns(breakdowns: Dict) -> List[str]:
     for bt, bd in breakdowns.items():
         variants = list(bd["predicted_step_ratio"])
         out += [f"Where the time goes, b × T = {bt} (parts timed alone, fwd + bwd, median of interleaved rounds; "
-                f"one pair = layers {bd['routed_layer'] - 1}–{bd['routed_layer']}, × {bd['pairs']} pairs):", "",
-                "| part | dense s | share of dense step | " + " | ".join(f"{v} s" for v in variants) + " |",
-                "|---|---|---|" + "---|" * len(variants)]
-        for part, sec in bd["part_s"].items():
-            routed = [f"{bd['pairs'] * bd['pair_s'][v]:.2f}" if part == "pairs" else "same" for v in variants]
-            out.append(f"| {_PART_LABELS[part]} | {sec:.2f} | {100 * sec / bd['dense_step_s']:.1f} % | " + " | ".join(routed) + " |")
-        out.append("| one pair routed/dense | | | " + " | ".join(f"{bd['pair_ratio'][v]:.3f}" for v in variants) + " |")
-        out.append("| step ratio predicted by the parts | | | " + " | ".join(f"{bd['predicted_step_ratio'][v]:.3f}" for v in variants) + " |")
-        out.append("")
+                f"one pair = layers {bd['routed_layer'] - 1}–{bd['routed_layer']}, × {bd['pairs']} pairs):", ""]
+        rows = [[_PART_LABELS[part], f"{sec:.2f}", f"{100 * sec / bd['dense_step_s']:.1f} %",
+                 *(f"{bd['pairs'] * bd['pair_s'][v]:.2f}" if part == "pairs" else "same" for v in variants)]
+                for part, sec in bd["part_s"].items()]
+        rows.append(["one pair routed/dense", "", "", *(f"{bd['pair_ratio'][v]:.3f}" for v in variants)])
+        rows.append(["step ratio predicted by the parts", "", "",
+                     *(f"{bd['predicted_step_ratio'][v]:.3f}" for v in variants)])
+        out += _table(["part", "dense s", "share of dense step", *(f"{v} s" for v in variants)], rows)
     return out
 
 
@@ -904,12 +965,8 @@ def _render_profiles(profiles, what: str) -> List[str]:
         return []
     names = list(profiles)
     groups = sorted({g for p in profiles.values() for g in p["groups_ms"]})
-    out = [f"Profile ({what}; torch.profiler self CPU ms by op group):", "",
-           "| op group | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for g in groups:
-        out.append(f"| {g} | " + " | ".join(f"{profiles[n]['groups_ms'].get(g, 0.0):.0f}" for n in names) + " |")
-    out.append("")
-    return out
+    return [f"Profile ({what}; torch.profiler self CPU ms by op group):", ""] + _table(
+        ["op group", *names], [[g, *(f"{profiles[n]['groups_ms'].get(g, 0.0):.0f}" for n in names)] for g in groups])
 
 
 def main(argv=None) -> Dict:
@@ -970,6 +1027,8 @@ def _run(args, argv, sections: List[str], flush_denormal: bool) -> Dict:
                    decode=lambda: section_decode(args.size, plan, dense),
                    overhead=lambda: section_overhead(args.size, plan, dense),
                    naive=lambda: section_naive(args.size, plan, dense))
+    device = describe_device()  # after set_threads: the thread count the sections run with
+    run["device"] = device
     for section in sections:
         t0 = time.perf_counter()
         torch.manual_seed(args.seed + 1)
@@ -978,10 +1037,11 @@ def _run(args, argv, sections: List[str], flush_denormal: bool) -> Dict:
         results[section]["command"] = command
         results[section]["flush_denormal"] = flush_denormal
         results[section]["loadavg_end"] = os.getloadavg()
+        results[section]["device"] = device
         log(f"{section} done in {results[section]['elapsed_s']:.0f}s")
         run["loadavg_end"] = os.getloadavg()
         results["meta"] = dict(size=args.size, quick=args.quick, threads=args.threads, torch=torch.__version__,
-                               cpus=os.cpu_count(), plan=plan, runs=[*runs, run],
+                               cpus=os.cpu_count(), device=device, plan=plan, runs=[*runs, run],
                                routing={v: config_routing(v) for v in ("mod", "sdt", "stt")})
         if out_dir is not None:  # saved after every section, so a killed run keeps what it measured
             (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))

@@ -142,7 +142,14 @@ def test_suite_runs_on_tiny_shape(tmp_path, monkeypatch):
     # the process setting is restored afterwards: a subnormal float survives arithmetic again.
     assert all(results[s]["flush_denormal"] is True for s in ("train", "decode", "overhead", "naive"))
     assert (torch.tensor([1e-40]) * torch.tensor([1.0])).item() > 0
-    assert (tmp_path / "results.md").read_text().startswith("Shape `tiny`")
+    report = (tmp_path / "results.md").read_text()
+    assert report.startswith("Shape `tiny`")
+    # The report names the device that was measured, not a fixed sentence.
+    device = results["meta"]["device"]
+    assert device["threads"] == threads and device["cpu"] in report and f"{threads} thread(s)" in report
+    assert all(results[s]["device"] == device for s in ("train", "decode", "overhead", "naive"))
+    assert ("no CUDA device" in report) == (not torch.cuda.is_available())
+    assert "lent" not in report
     for row in results["decode"]["kv"]:
         # Bytes held by each routed layer's cache = its executed-token count × per-token bytes, and the whole
         # model's ratio is the closed form at the measured executed fractions.
@@ -164,6 +171,21 @@ def test_suite_runs_on_tiny_shape(tmp_path, monkeypatch):
             routed = breakdown["pairs"] * breakdown["pair_s"][variant] + fixed
             assert predicted == pytest.approx(routed / breakdown["dense_step_s"])
     assert set(results["train"]["breakdowns"]) == {f"{b}x{t}" for b, t in plan["train"]}
+
+
+def test_report_gpu_line_follows_the_recorded_device():
+    meta = dict(size="tiny", quick=True, threads=1, cpus=2, torch=torch.__version__)
+    cpu_only = dict(cpu="Some CPU 9000", cpu_capability="AVX2", threads=1, logical_cpus=2, cuda=[])
+    with_gpu = dict(cpu_only, cuda=["NVIDIA H100 80GB HBM3"])
+    report = bench.render_markdown({"meta": dict(meta, device=cpu_only)})
+    assert "fp32 on CPU Some CPU 9000 (AVX2), 1 thread(s) of 2 logical CPUs" in report
+    assert "GPU numbers pending: the machine that ran this had no CUDA device" in report
+    report = bench.render_markdown({"meta": dict(meta, device=with_gpu)})
+    assert "pending" not in report and "NVIDIA H100 80GB HBM3 present" in report
+    summary_row = next(line for line in report.splitlines() if line.startswith("| 8 "))
+    assert [c.strip() for c in summary_row.strip("|").split("|")] == ["8", "GPU", "–", "not measured", "–", "–", "–"]
+    report = bench.render_markdown({"meta": meta})  # results from before runs recorded their device
+    assert "CPU (model not recorded)" in report and "GPU numbers not recorded" in report
 
 
 def test_layer_timing_stamps_every_layer_inside_training_steps():

@@ -147,8 +147,10 @@ def gguf_name(hf_key: str):
     }[hf_key]
 
 
-def write_tiny_gguf(path, model, tied: bool, quantized: bool, arch_pre: str = "smollm"):
-    """Write ``model`` as a llama GGUF. Returns the HF state dict the converter must reproduce exactly."""
+def write_tiny_gguf(path, model, tied: bool, quantized: bool, arch_pre: str = "smollm", q_bias: bool = False):
+    """Write ``model`` as a llama GGUF. Returns the HF state dict the converter must reproduce exactly.
+
+    ``q_bias`` also writes the q biases (llama.cpp would not: Llama has none), permuted like the q rows."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama-test")
     writer.add_block_count(LAYERS)
@@ -178,6 +180,9 @@ def write_tiny_gguf(path, model, tied: bool, quantized: bool, arch_pre: str = "s
             continue
         name = gguf_name(key)
         w = value.detach().float()
+        if q_bias and key.endswith("self_attn.q_proj.bias"):
+            _, _, i, _ = key.split(".", 3)
+            writer.add_tensor(f"blk.{i}.attn_q.bias", llama_cpp_permute(w, H).numpy())
         if name is None:
             expected[key] = w.clone()  # zero biases
             continue
@@ -233,17 +238,10 @@ def tiny_spec():
     return g2h.BPETokenizerSpec(TOKENS, MERGES, types, bos_id=1, eos_id=2, unk_id=0, pad_id=2, pre="smollm")
 
 
-def test_rope_permutation_is_llama_cpp_inverse():
-    w = torch.randn(H * 6, 5)
-    for heads in (H, 2):
-        stored = llama_cpp_permute(w, heads).numpy()
-        assert np.array_equal(g2h.unpermute_rope_rows(stored, heads), w.numpy())
-        assert np.array_equal(g2h.permute_rope_rows(w.numpy(), heads), stored)
-
-
 def test_rope_permutation_matches_rope_conventions():
-    """Independent check of the direction: interleaved RoPE (GGML) on GGUF rows gives the same q·k scores as
-    half-split RoPE (HF/torchtune) on the un-permuted rows."""
+    """The test GGUF stores q/k rows the way GGML's RoPE expects them: interleaved RoPE (GGML "normal" mode) on
+    ``llama_cpp_permute``-d rows gives the same q·k scores as half-split RoPE (HF/torchtune) on the HF rows. So
+    the converter (transformers' loader) must undo exactly ``llama_cpp_permute``, which the weight test checks."""
     rng = np.random.default_rng(0)
     hd, heads, d_in = 8, 2, 6
     wq, wk = rng.normal(size=(heads * hd, d_in)), rng.normal(size=(heads * hd, d_in))
@@ -261,22 +259,24 @@ def test_rope_permutation_matches_rope_conventions():
         c, s = np.cos(pos * freqs), np.sin(pos * freqs)
         return np.stack([v[..., 0] * c - v[..., 1] * s, v[..., 1] * c + v[..., 0] * s], -1).reshape(heads, hd)
 
-    gq, gk = g2h.permute_rope_rows(wq, heads), g2h.permute_rope_rows(wk, heads)
+    gq = llama_cpp_permute(torch.from_numpy(wq), heads).numpy()
+    gk = llama_cpp_permute(torch.from_numpy(wk), heads).numpy()
     hf_scores = (rope_half(wq @ x1, 7) * rope_half(wk @ x2, 3)).sum(-1)
     gguf_scores = (rope_interleaved(gq @ x1, 7) * rope_interleaved(gk @ x2, 3)).sum(-1)
     np.testing.assert_allclose(gguf_scores, hf_scores, rtol=1e-10)
-    uq, uk = g2h.unpermute_rope_rows(gq, heads), g2h.unpermute_rope_rows(gk, heads)
-    hf_scores_unpermuted = (rope_half(uq @ x1, 7) * rope_half(uk @ x2, 3)).sum(-1)
-    np.testing.assert_allclose(hf_scores_unpermuted, hf_scores, rtol=1e-10)
+    # Without the permutation the scores differ: the check above can fail.
+    assert not np.allclose((rope_interleaved(wq @ x1, 7) * rope_interleaved(wk @ x2, 3)).sum(-1), hf_scores)
 
 
 def test_dequantize_shape_is_reverse_of_gguf_shape(converted):
+    """``write_tiny_gguf`` takes the expected Q8_0 weights from ``gguf.quants.dequantize`` as (out, in) arrays;
+    that holds because the dequantised shape is the reverse of the GGUF shape."""
     _, _, _, path = converted["untied_q8"]
     reader = gguf.GGUFReader(str(path))
     t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
     assert [int(n) for n in t.shape] == [FFN, D]  # GGUF: innermost (input) dimension first
-    assert g2h.dequantize_tensor(t).shape == (D, FFN)  # PyTorch nn.Linear layout (out, in)
+    assert gguf.quants.dequantize(t.data, t.tensor_type).shape == (D, FFN)  # PyTorch nn.Linear layout (out, in)
 
 
 @pytest.mark.parametrize("variant", ["tied_f32", "untied_q8"])
@@ -344,24 +344,45 @@ def test_bfloat16_output(converted, tmp_path):
     assert all(v.dtype == torch.bfloat16 for v in sd.values())
     key = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(sd[key], expected[key].bfloat16())
-    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert not (out / "vocab.json").exists()
     with pytest.raises(FileExistsError):
         g2h.convert_gguf_to_hf(path, out)
 
 
-def test_rejects_unsupported_architecture():
+def test_rejects_what_qwen2_cannot_represent():
     with pytest.raises(NotImplementedError, match="architecture"):
-        g2h.gguf_hparams({"general.architecture": "gpt2"}, {})
+        g2h.check_qwen2_compatible({"general.architecture": "gpt2"}, [])
     meta = {
         "general.architecture": "llama",
         "llama.embedding_length": 16,
         "llama.attention.head_count": 4,
         "llama.block_count": 1,
-        "llama.rope.scaling.type": "linear",
     }
+    g2h.check_qwen2_compatible(meta, ["token_embd.weight"])  # the plain model passes
     with pytest.raises(NotImplementedError, match="RoPE scaling"):
-        g2h.gguf_hparams(meta, {"token_embd.weight": [16, 10]})
+        g2h.check_qwen2_compatible({**meta, "llama.rope.scaling.type": "linear"}, ["token_embd.weight"])
+    with pytest.raises(NotImplementedError, match="RoPE scaling"):
+        g2h.check_qwen2_compatible(meta, ["token_embd.weight", "rope_freqs.weight"])
+    with pytest.raises(NotImplementedError, match="rope.dimension_count"):
+        g2h.check_qwen2_compatible({**meta, "llama.rope.dimension_count": 2}, [])  # partial RoPE
+    with pytest.raises(NotImplementedError, match="key_length"):
+        g2h.check_qwen2_compatible({**meta, "llama.attention.key_length": 8}, [])
+
+
+def test_rejects_gguf_tensors_transformers_skips(tmp_path):
+    """A llama GGUF with q biases: transformers' LlamaForCausalLM has no parameter for them and would drop them
+    silently; the converter must refuse instead of writing a checkpoint without them."""
+    path = tmp_path / "biased.gguf"
+    model = reference_model(tied=True)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.bias.normal_()
+    write_tiny_gguf(path, model, tied=True, quantized=False, q_bias=True)
+    names = [t.name for t in gguf.GGUFReader(str(path)).tensors]
+    assert "blk.0.attn_q.bias" in names
+    with pytest.raises(ValueError, match="skipped"):
+        g2h.convert_gguf_to_hf(path, tmp_path / "out", tokenizer=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -639,6 +660,19 @@ def test_task_yaml_loads_in_lm_eval_task_manager(prepared, monkeypatch, tmp_path
 
     result = lm_eval.simple_evaluate(model=Oracle(), tasks=["heldout_next_sentence"], task_manager=tm)
     assert result["results"]["heldout_next_sentence"]["acc,none"] == 1.0
+
+
+def test_task_yaml_quotes_awkward_values(tmp_path):
+    """Paths with YAML syntax in them and Jinja templates come back unchanged from the generated files."""
+    import yaml
+
+    data = tmp_path / "odd: dir #1" / 'it\'s "q".jsonl'
+    mc = yaml.safe_load(corpus_mod.task_yaml("mc", data))
+    assert mc["dataset_kwargs"]["data_files"]["test"] == str(data)
+    assert (mc["doc_to_text"], mc["doc_to_choice"], mc["doc_to_target"]) == ("{{context}}", "choices", "label")
+    ppl = yaml.safe_load(corpus_mod.write_perplexity_task(data, tmp_path / "tasks").read_text(encoding="utf-8"))
+    assert ppl["dataset_kwargs"]["data_files"]["test"] == str(data)
+    assert (ppl["doc_to_text"], ppl["doc_to_target"]) == ("", "{{text}}")
 
 
 def test_perplexity_task_scores_every_heldout_document(prepared, monkeypatch, tmp_path):

@@ -59,6 +59,8 @@ import zlib
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+import yaml
+
 PathLike = Union[str, os.PathLike]
 
 #: The PyPI sdist this module prepares by default.
@@ -496,31 +498,42 @@ def make_next_sentence_items(
     return items
 
 
+def _lm_eval_task_yaml(comment: str, task: Dict) -> str:
+    """``task`` as lm-eval YAML under ``#`` comment lines. ``yaml.safe_dump`` quotes whatever YAML would
+    misread (unquoted, a Jinja ``{{field}}`` is a flow mapping and a path with ``: `` or `` #`` is cut short),
+    so no value has to be quoted by hand."""
+    header = "".join(f"# {line}\n" for line in comment.splitlines())
+    return header + yaml.safe_dump(task, sort_keys=False, allow_unicode=True, default_flow_style=False)
+
+
+def _json_test_split(data_file: Path) -> Dict:
+    """lm-eval task keys for a local JSONL whose records form the ``test`` split."""
+    return {
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+        "test_split": "test",
+    }
+
+
 def task_yaml(task_name: str, data_file: Path) -> str:
     """lm-eval (0.4.x) task config for a JSONL of :func:`make_next_sentence_items` items."""
-    return (
-        f"# Written by torchtune_dtf.data.corpus: pick the true next sentence of held-out text.\n"
-        f"# Use with: lm_eval --include_path {data_file.parent} --tasks {task_name}\n"
-        f"task: {task_name}\n"
-        f"dataset_path: json\n"
-        f"dataset_kwargs:\n"
-        f"  data_files:\n"
-        f"    test: {json.dumps(str(data_file))}\n"
-        f"test_split: test\n"
-        f"output_type: multiple_choice\n"
-        f'doc_to_text: "{{{{context}}}}"\n'
-        f"doc_to_choice: choices\n"
-        f"doc_to_target: label\n"
-        f"metric_list:\n"
-        f"  - metric: acc\n"
-        f"    aggregation: mean\n"
-        f"    higher_is_better: true\n"
-        f"  - metric: acc_norm\n"
-        f"    aggregation: mean\n"
-        f"    higher_is_better: true\n"
-        f"metadata:\n"
-        f"  version: 1.0\n"
+    task = {
+        "task": task_name,
+        **_json_test_split(data_file),
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{context}}",
+        "doc_to_choice": "choices",
+        "doc_to_target": "label",
+        "metric_list": [
+            {"metric": metric, "aggregation": "mean", "higher_is_better": True} for metric in ("acc", "acc_norm")
+        ],
+        "metadata": {"version": 1.0},
+    }
+    comment = (
+        "Written by torchtune_dtf.data.corpus: pick the true next sentence of held-out text.\n"
+        f"Use with: lm_eval --include_path {data_file.parent} --tasks {task_name}"
     )
+    return _lm_eval_task_yaml(comment, task)
 
 
 def write_task(items: Sequence[Dict], task_dir: PathLike, task_name: str = DEFAULT_TASK_NAME) -> Path:
@@ -547,25 +560,17 @@ def write_perplexity_task(data_file: PathLike, task_dir: PathLike, task_name: st
     data_file = Path(data_file).resolve()
     yaml_path = Path(task_dir).resolve() / f"{task_name}.yaml"
     yaml_path.parent.mkdir(parents=True, exist_ok=True)
-    yaml_path.write_text(
-        f"# Written by torchtune_dtf.data.corpus: perplexity of held-out text.\n"
-        f"task: {task_name}\n"
-        f"dataset_path: json\n"
-        f"dataset_kwargs:\n"
-        f"  data_files:\n"
-        f"    test: {json.dumps(str(data_file))}\n"
-        f"test_split: test\n"
-        f"output_type: loglikelihood_rolling\n"
-        f'doc_to_text: ""\n'
-        f'doc_to_target: "{{{{text}}}}"\n'
-        f"metric_list:\n"
-        f"  - metric: word_perplexity\n"
-        f"  - metric: byte_perplexity\n"
-        f"  - metric: bits_per_byte\n"
-        f"metadata:\n"
-        f"  version: 1.0\n",
-        encoding="utf-8",
-    )
+    task = {
+        "task": task_name,
+        **_json_test_split(data_file),
+        "output_type": "loglikelihood_rolling",
+        "doc_to_text": "",
+        "doc_to_target": "{{text}}",
+        "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")],
+        "metadata": {"version": 1.0},
+    }
+    comment = "Written by torchtune_dtf.data.corpus: perplexity of held-out text."
+    yaml_path.write_text(_lm_eval_task_yaml(comment, task), encoding="utf-8")
     return yaml_path
 
 

@@ -7,29 +7,31 @@ model with zero q/k/v biases, so after conversion it loads with torchtune's ``qw
 
 What is written into ``--out``:
 
-- ``config.json`` / ``generation_config.json``: a ``qwen2`` config (``Qwen2ForCausalLM``) from the GGUF
-  metadata (hidden size, MLP width, heads, KV heads, layers, RoPE base, RMSNorm eps, vocabulary,
-  tied embeddings when the GGUF has no ``output.weight``);
-- ``model.safetensors``: the dequantised weights under HF Qwen2 key names; the q/k/v biases Qwen2 has
-  and Llama lacks are zeros;
+- ``config.json`` / ``generation_config.json``: a ``qwen2`` config (``Qwen2ForCausalLM``) with the
+  source model's shape, RoPE base, RMSNorm eps, vocabulary and token ids, and tied embeddings when the
+  GGUF has no ``output.weight``;
+- ``model.safetensors``: the dequantised weights under HF Qwen2 key names (always one file: torchtune
+  configs name it); the q/k/v biases Qwen2 has and Llama lacks are zeros;
 - tokenizer files for byte-level BPE GGUFs (``tokenizer.ggml.model == "gpt2"``):
   ``vocab.json`` + ``merges.txt`` (GPT-2 layout, read by ``torchtune.models.qwen2_5.qwen2_5_tokenizer``),
   ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json`` (read by
   ``transformers.AutoTokenizer``), and ``torchtune_special_tokens.json`` (see below);
-- ``conversion.json``: provenance (source file, its SHA-256, hyper-parameters).
+- ``conversion.json``: provenance (source file, its SHA-256, tensor types, the class transformers loaded).
 
-Two facts about GGUF that the conversion depends on:
+Weights: transformers' own GGUF loader (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)``)
+reads the hyper-parameters, dequantises every tensor with ``gguf-py`` and, for ``llama`` GGUFs, undoes the
+row order llama.cpp's converter gives ``attn_q``/``attn_k`` (interleaved RoPE pairs instead of HF's
+half-split layout). Without that un-permutation the model still runs but is badly damaged
+(SmolLM2-135M-Instruct Q4_1 on *Pride and Prejudice* ch. 1-2, 1024-token windows: perplexity 219 instead of
+20.1). ``qwen2`` GGUFs (NeoX RoPE) are not permuted and keep their biases. What is ours: refusing GGUFs a
+Qwen2 model cannot represent but that transformers would load without complaint
+(:func:`check_qwen2_compatible`), checking that every GGUF tensor arrived, and re-homing the weights in a
+``Qwen2ForCausalLM`` with zero q/k/v biases (:func:`load_gguf_as_qwen2`).
 
-1. ``gguf.quants.dequantize`` returns a NumPy array whose shape is the *reverse* of the GGUF shape
-   (GGUF lists ``ne0`` = the contiguous input dimension first), i.e. ``(out_features, in_features)``,
-   which is already PyTorch's ``nn.Linear`` layout. :func:`dequantize_tensor` checks this.
-2. llama.cpp's converter reorders the rows of ``attn_q``/``attn_k`` from HF's half-split RoPE layout
-   (rotate first half of each head against the second half) to the interleaved layout (rotate
-   adjacent pairs): ``w.reshape(H, 2, D/2, in).swapaxes(1, 2)``. :func:`unpermute_rope_rows` undoes it by
-   viewing the rows as ``(H, D/2, 2, in)`` and swapping the two middle axes. Without it the model still
-   runs but is badly damaged (SmolLM2-135M-Instruct Q4_1 on *Pride and Prejudice* ch. 1-2, 1024-token
-   windows: perplexity 219 instead of 20.1). Only ``llama`` GGUFs
-   are permuted; ``qwen2`` GGUFs (NeoX RoPE) are copied as they are and keep their biases.
+Tokenizer: written by this module, not by transformers' GGUF tokenizer conversion, because torchtune needs
+``vocab.json``/``merges.txt``/special-token files that transformers does not write, and because for
+``llama`` GGUFs transformers (4.57) builds a byte-level tokenizer that ignores ``tokenizer.ggml.pre``
+(the source model's pre-tokenizer), counts only token type 3 as special, and swaps the BOS/EOS names.
 
 torchtune's Qwen2.5 tokenizer hard-codes Qwen's special-token ids and requires the names
 ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<tool_call>`` and ``</tool_call>``. Its builder
@@ -76,12 +78,13 @@ Python::
     model = build_torchtune_qwen2("out_dir")          # torchtune qwen2(...) with the converted shapes
     tokenizer = load_torchtune_tokenizer("out_dir")   # Qwen2.5 tokenizer with the model's special tokens
 
-Requires the PyPI package ``gguf`` (tested with 0.19.0).
+Requires the PyPI packages ``gguf`` (tested with 0.19.0) and ``transformers`` (tested with 4.57).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -92,7 +95,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import regex
 import torch
 from torchtune.models.qwen2_5._tokenizer import Qwen2_5Tokenizer
@@ -145,8 +147,25 @@ _PRE_TOKENIZERS = {
 
 
 # --------------------------------------------------------------------------------------------------
-# GGUF reading
+# Weights (transformers' GGUF loader, then the Qwen2 layout)
 # --------------------------------------------------------------------------------------------------
+
+#: ``general.architecture`` values transformers loads into modules with Qwen2's parameter names.
+_SUPPORTED_ARCHS = ("llama", "qwen2")
+
+#: The only Qwen2 parameters a llama GGUF may lack: q/k/v biases (zeros make Qwen2 compute what Llama does).
+_QKV_BIAS = regex.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.bias")
+
+#: ``Qwen2Config`` fields copied from the config transformers reads out of the GGUF.
+_QWEN2_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+)
+
+# torchtune configs list ``model.safetensors`` as the one checkpoint file, so save_pretrained must never
+# shard; this is far above any model this converter is meant for.
+_NO_SHARDING = "1000GB"
 
 
 def _require_gguf():
@@ -159,271 +178,119 @@ def _require_gguf():
 
 def read_gguf_metadata(reader) -> Dict[str, Any]:
     """All key/value metadata of an open ``gguf.GGUFReader`` as plain Python values."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        meta[key] = field.contents()
-    return meta
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
-def dequantize_tensor(tensor) -> np.ndarray:
-    """Dequantise one ``gguf.ReaderTensor`` to float32 in PyTorch layout ``(out_features, in_features)``.
+def check_qwen2_compatible(meta: Mapping[str, Any], tensor_names: Sequence[str]) -> None:
+    """Refuse a GGUF that transformers would load but that a Qwen2 model (HF or torchtune) cannot represent.
 
-    GGUF lists dimensions innermost first (``tensor.shape == [in, out]``); ``gguf.quants.dequantize``
-    returns the row-major array, whose shape is the reverse. This is checked, not assumed.
-    """
-    gguf = _require_gguf()
-    expected = tuple(int(n) for n in reversed(list(tensor.shape)))
-    arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    arr = np.asarray(arr, dtype=np.float32)
-    if arr.shape != expected:
-        if arr.size != int(np.prod(expected)):
-            raise ValueError(
-                f"{tensor.name}: dequantised {arr.shape} does not hold the {expected} elements of GGUF shape "
-                f"{list(tensor.shape)} ({tensor.tensor_type.name})"
-            )
-        arr = arr.reshape(expected)
-    return arr
-
-
-def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """GGUF (interleaved RoPE) row order → HF/torchtune (half-split) row order for q/k projections.
+    transformers' loader reads only the metadata keys it maps: it ignores RoPE scaling and the
+    ``rope_freqs`` tensor (Llama-3.1 style), and turns ``rope.dimension_count`` into ``head_dim``, whereas
+    torchtune's ``qwen2`` derives the head size as ``hidden / heads``. Checked before anything is dequantised.
 
     Args:
-        weight: ``(n_heads * head_dim, ...)`` weight (or bias) as stored in a llama GGUF.
-        n_heads: number of heads of that projection (query heads for q, KV heads for k).
-    """
-    rows = weight.shape[0]
-    if rows % n_heads or (rows // n_heads) % 2:
-        raise ValueError(f"cannot split {rows} rows into {n_heads} heads of even size")
-    head_dim = rows // n_heads
-    rest = weight.shape[1:]
-    return weight.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
-
-
-def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """HF (half-split) → GGUF (interleaved) row order: what llama.cpp's converter does. Inverse of
-    :func:`unpermute_rope_rows` (used to write test GGUFs)."""
-    rows = weight.shape[0]
-    if rows % n_heads or (rows // n_heads) % 2:
-        raise ValueError(f"cannot split {rows} rows into {n_heads} heads of even size")
-    head_dim = rows // n_heads
-    rest = weight.shape[1:]
-    return weight.reshape(n_heads, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(weight.shape)
-
-
-@dataclasses.dataclass
-class GGUFHParams:
-    """Hyper-parameters of a llama/qwen2 GGUF, named as in the HF Qwen2 config."""
-
-    architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    rope_theta: float
-    rms_norm_eps: float
-    vocab_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-_SUPPORTED_ARCHS = ("llama", "qwen2")
-
-
-def gguf_hparams(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[int]]) -> GGUFHParams:
-    """Read the model shape from GGUF metadata (``{arch}.*`` keys) and tensor shapes.
+        meta: GGUF metadata (:func:`read_gguf_metadata`).
+        tensor_names: names of the GGUF's tensors.
 
     Raises:
-        NotImplementedError: for architectures other than llama/qwen2, head sizes that Qwen2 cannot
-            express (``key_length != hidden / heads``) or RoPE scaling (Qwen2/torchtune qwen2 have none).
+        NotImplementedError: another architecture, a head size other than ``hidden / heads``, partial RoPE,
+            RoPE scaling, or per-layer MLP widths.
+        KeyError: metadata without the hidden size or head count.
     """
     arch = meta.get("general.architecture")
     if arch not in _SUPPORTED_ARCHS:
         raise NotImplementedError(f"general.architecture={arch!r}; only {_SUPPORTED_ARCHS} GGUFs are supported")
-
-    def get(key, default=None):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            if default is None:
-                raise KeyError(f"GGUF metadata lacks {full}")
-            return default
-        return meta[full]
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    kv_heads = int(get("attention.head_count_kv", heads))
-    head_dim = hidden // heads
-    for key in ("attention.key_length", "attention.value_length"):
-        if f"{arch}.{key}" in meta and int(meta[f"{arch}.{key}"]) != head_dim:
-            raise NotImplementedError(f"{arch}.{key}={meta[f'{arch}.{key}']} != hidden/heads={head_dim}")
-    rot = meta.get(f"{arch}.rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
-        raise NotImplementedError(f"partial RoPE ({arch}.rope.dimension_count={rot}, head_dim={head_dim})")
+    for key in ("embedding_length", "attention.head_count"):
+        if f"{arch}.{key}" not in meta:
+            raise KeyError(f"GGUF metadata lacks {arch}.{key}")
+    head_dim = int(meta[f"{arch}.embedding_length"]) // int(meta[f"{arch}.attention.head_count"])
+    for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+        value = meta.get(f"{arch}.{key}")
+        if value is not None and int(value) != head_dim:
+            raise NotImplementedError(
+                f"{arch}.{key}={value} but hidden/heads={head_dim}: Qwen2 has full RoPE on hidden/heads-sized heads"
+            )
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_shapes:
+    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
         raise NotImplementedError(f"RoPE scaling ({scaling!r} / rope_freqs) has no Qwen2 equivalent")
-    if "token_embd.weight" not in tensor_shapes:
-        raise KeyError("GGUF has no token_embd.weight")
-    embd_shape = list(tensor_shapes["token_embd.weight"])  # GGUF order: [hidden, vocab]
-    vocab = int(embd_shape[1])
-    layers = int(get("block_count"))
-    ffn = get("feed_forward_length", 0)
-    if isinstance(ffn, (list, tuple)):
-        if len(set(ffn)) != 1:
-            raise NotImplementedError("per-layer MLP widths are not supported")
-        ffn = ffn[0]
-    if not ffn:
-        ffn = int(list(tensor_shapes["blk.0.ffn_up.weight"])[1])
-    return GGUFHParams(
-        architecture=arch,
-        hidden_size=hidden,
-        intermediate_size=int(ffn),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        vocab_size=vocab,
-        max_position_embeddings=int(get("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_shapes,
-    )
+    if isinstance(meta.get(f"{arch}.feed_forward_length"), (list, tuple)):
+        raise NotImplementedError("per-layer MLP widths are not supported")
 
 
-# --------------------------------------------------------------------------------------------------
-# Weights
-# --------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _transformers_verbosity(level: int):
+    """Temporarily set transformers' log level (restored afterwards, even on error)."""
+    from transformers.utils import logging as hf_logging
 
-_LAYER_MAP = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_MAP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# Tensors llama.cpp may store that carry no weights of their own.
-_IGNORED = ("rope_freqs.weight",)
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(level)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
 
 
-def hf_key_for_gguf(name: str) -> Optional[str]:
-    """HF Qwen2 key for a GGUF tensor name (``None`` for tensors without weights of their own)."""
-    if name in _IGNORED or name.endswith("attn_rot_embd"):
-        return None
-    if name in _GLOBAL_MAP:
-        return _GLOBAL_MAP[name]
-    if name.startswith("blk."):
-        _, idx, rest = name.split(".", 2)
-        if rest in _LAYER_MAP:
-            return f"model.layers.{int(idx)}.{_LAYER_MAP[rest]}"
-    raise KeyError(f"GGUF tensor {name!r} has no Qwen2 counterpart")
+def load_gguf_as_qwen2(gguf_path: PathLike, n_gguf_tensors: Optional[int] = None):
+    """Load a llama/qwen2 GGUF with transformers and return it as a float32 ``Qwen2ForCausalLM``.
 
+    transformers dequantises (any type ``gguf-py`` can), un-permutes llama q/k rows and builds the source
+    architecture's model (``LlamaForCausalLM``, or ``MistralForCausalLM`` when ``general.name`` says
+    Mistral, or ``Qwen2ForCausalLM``). Its parameters are then handed to a ``Qwen2ForCausalLM`` (no copy);
+    the q/k/v biases Llama lacks are set to zero. Weight matrices keep PyTorch's ``(out_features,
+    in_features)`` layout, e.g. q_proj ``(hidden, hidden)``, k_proj/v_proj ``(kv_heads * head_dim, hidden)``.
 
-def gguf_to_qwen2_state_dict(reader, hp: GGUFHParams, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
-    """Dequantise every tensor of an open GGUF into an HF Qwen2 state dict.
+    Args:
+        gguf_path: the ``.gguf`` file; call :func:`check_qwen2_compatible` on its metadata first.
+        n_gguf_tensors: number of tensors in the file. transformers skips GGUF tensors it has no parameter
+            for without a word (e.g. q/k/v biases in a llama GGUF); with the count given, that is an error.
 
-    llama GGUFs get their q/k rows (and biases, if any) permuted back to the half-split RoPE order; q/k/v
-    biases missing from the GGUF are added as zeros. Every expected key is checked to be present with the
-    expected shape.
+    Raises:
+        ValueError: a parameter the GGUF did not supply (other than zero-able q/k/v biases), or a GGUF
+            tensor that was not loaded.
     """
-    sd: Dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        key = hf_key_for_gguf(t.name)
-        if key is None:
-            continue
-        w = dequantize_tensor(t)
-        if hp.architecture == "llama":
-            if ".q_proj." in key:
-                w = unpermute_rope_rows(w, hp.num_attention_heads)
-            elif ".k_proj." in key:
-                w = unpermute_rope_rows(w, hp.num_key_value_heads)
-        sd[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True)).to(dtype)
-    expected = expected_qwen2_shapes(hp)
-    for key, shape in expected.items():
-        if key not in sd and key.endswith("_proj.bias"):
-            sd[key] = torch.zeros(shape, dtype=dtype)
-    missing = sorted(set(expected) - set(sd))
-    extra = sorted(set(sd) - set(expected))
-    if missing or extra:
-        raise ValueError(f"GGUF tensors do not form a Qwen2 model: missing {missing[:8]}, unexpected {extra[:8]}")
-    for key, shape in expected.items():
-        if tuple(sd[key].shape) != shape:
-            raise ValueError(f"{key}: shape {tuple(sd[key].shape)} != expected {shape}")
-    return {k: sd[k] for k in expected}
+    import transformers
 
-
-def expected_qwen2_shapes(hp: GGUFHParams) -> Dict[str, Tuple[int, ...]]:
-    """Key → shape of the HF Qwen2 state dict for ``hp`` (the file's key order)."""
-    d, kv = hp.hidden_size, hp.num_key_value_heads * hp.head_dim
-    shapes: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (hp.vocab_size, d)}
-    for i in range(hp.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (d,),
-                p + "self_attn.q_proj.weight": (d, d),
-                p + "self_attn.q_proj.bias": (d,),
-                p + "self_attn.k_proj.weight": (kv, d),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.weight": (kv, d),
-                p + "self_attn.v_proj.bias": (kv,),
-                p + "self_attn.o_proj.weight": (d, d),
-                p + "post_attention_layernorm.weight": (d,),
-                p + "mlp.gate_proj.weight": (hp.intermediate_size, d),
-                p + "mlp.up_proj.weight": (hp.intermediate_size, d),
-                p + "mlp.down_proj.weight": (d, hp.intermediate_size),
-            }
+    path = Path(gguf_path)
+    src, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent),
+        gguf_file=path.name,
+        dtype=torch.float32,
+        local_files_only=True,  # never the hub, even when the directory name looks like a repo id
+        output_loading_info=True,
+    )
+    if info["missing_keys"] or info["mismatched_keys"]:
+        raise ValueError(
+            f"{type(src).__name__} from {path.name}: not in the GGUF {sorted(info['missing_keys'])[:8]}, "
+            f"wrong shape {info['mismatched_keys'][:8]}"
         )
-    shapes["model.norm.weight"] = (d,)
-    if not hp.tie_word_embeddings:
-        shapes["lm_head.weight"] = (hp.vocab_size, d)
-    return shapes
-
-
-def qwen2_config(hp: GGUFHParams, dtype: str = "float32", bos_token_id=None, eos_token_id=None) -> Dict[str, Any]:
-    """HF ``config.json`` (``model_type: qwen2``) for the converted model."""
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": hp.hidden_size,
-        "intermediate_size": hp.intermediate_size,
-        "num_hidden_layers": hp.num_hidden_layers,
-        "num_attention_heads": hp.num_attention_heads,
-        "num_key_value_heads": hp.num_key_value_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": hp.max_position_embeddings,
-        "rms_norm_eps": hp.rms_norm_eps,
-        "rope_theta": hp.rope_theta,
-        "rope_scaling": None,
-        "vocab_size": hp.vocab_size,
-        "tie_word_embeddings": hp.tie_word_embeddings,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": hp.num_hidden_layers,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "torch_dtype": dtype,
-    }
+    n_loaded = sum(1 for _ in src.parameters())  # tied lm_head/embedding count once, as in the GGUF
+    if n_gguf_tensors is not None and n_loaded != n_gguf_tensors:
+        raise ValueError(
+            f"{path.name} has {n_gguf_tensors} tensors but {type(src).__name__} took {n_loaded}: "
+            "transformers skipped tensors it has no parameter for"
+        )
+    config = transformers.Qwen2Config(
+        **{name: getattr(src.config, name, None) for name in _QWEN2_FIELDS},
+        rope_scaling=None,
+        use_sliding_window=False,
+        max_window_layers=src.config.num_hidden_layers,
+    )
+    # The missing q/k/v biases are checked and zeroed below, so transformers' "newly initialized" warning
+    # (which also suggests training the model) would only mislead.
+    with _transformers_verbosity(transformers.logging.ERROR):
+        model, info = transformers.Qwen2ForCausalLM.from_pretrained(
+            None, config=config, state_dict=src.state_dict(), dtype=torch.float32, output_loading_info=True
+        )
+    not_bias = [k for k in info["missing_keys"] if not _QKV_BIAS.fullmatch(k)]
+    if not_bias or info["unexpected_keys"] or info["mismatched_keys"]:
+        raise ValueError(
+            f"{type(src).__name__} weights do not form a Qwen2 model: missing {sorted(not_bias)[:8]}, "
+            f"unexpected {sorted(info['unexpected_keys'])[:8]}, wrong shape {info['mismatched_keys'][:8]}"
+        )
+    with torch.no_grad():  # explicit zeros: Llama == Qwen2 only with zero biases, whatever the initialiser did
+        for key in info["missing_keys"]:
+            model.get_parameter(key).zero_()
+    return model.eval()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -736,7 +603,7 @@ def convert_gguf_to_hf(
     """Convert a llama (or qwen2) GGUF into a Qwen2 HF checkpoint directory.
 
     Args:
-        gguf_path: the ``.gguf`` file (any quantisation ``gguf.quants.dequantize`` supports).
+        gguf_path: the ``.gguf`` file (any quantisation ``gguf-py`` dequantises).
         out_dir: directory to create.
         dtype: ``float32``, ``bfloat16`` or ``float16`` for ``model.safetensors``.
         tokenizer: also write the tokenizer files (byte-level BPE GGUFs only; others are skipped with a warning).
@@ -745,7 +612,7 @@ def convert_gguf_to_hf(
     Returns:
         ``out_dir`` as a ``Path``.
     """
-    from safetensors.torch import save_file
+    import transformers
 
     gguf = _require_gguf()
     if dtype not in _DTYPES:
@@ -759,23 +626,13 @@ def convert_gguf_to_hf(
 
     reader = gguf.GGUFReader(str(gguf_path))
     meta = read_gguf_metadata(reader)
-    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
-    hp = gguf_hparams(meta, shapes)
-    sd = gguf_to_qwen2_state_dict(reader, hp, _DTYPES[dtype])
-    save_file(sd, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    tensor_names = [t.name for t in reader.tensors]
+    check_qwen2_compatible(meta, tensor_names)
+    model = load_gguf_as_qwen2(gguf_path, n_gguf_tensors=len(tensor_names)).to(_DTYPES[dtype])
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=_NO_SHARDING)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(out / WEIGHTS_FILE, 0o666 & ~umask)  # safetensors creates the file 0600
-
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    pad = meta.get("tokenizer.ggml.padding_token_id")
-    config = qwen2_config(hp, dtype, None if bos is None else int(bos), None if eos is None else int(eos))
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
-    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False}
-    if pad is not None:
-        gen["pad_token_id"] = int(pad)
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2), encoding="utf-8")
 
     tokenizer_files: List[str] = []
     if tokenizer:
@@ -786,15 +643,16 @@ def convert_gguf_to_hf(
         else:
             tokenizer_files = sorted(p.name for p in write_tokenizer_files(spec, out).values())
 
+    arch = meta["general.architecture"]
     provenance = {
         "source": str(Path(gguf_path).resolve()),
         "source_sha256": _sha256(gguf_path),
         "general.name": meta.get("general.name"),
-        "architecture": hp.architecture,
-        "rope_rows_unpermuted": hp.architecture == "llama",
+        "architecture": arch,
+        "rope_rows_unpermuted": arch == "llama",  # by transformers' LlamaTensorProcessor
         "dtype": dtype,
         "tensor_types": sorted({t.tensor_type.name for t in reader.tensors}),
-        "hparams": dataclasses.asdict(hp),
+        "loaded_by": f"transformers {transformers.__version__}",
         "tokenizer_files": tokenizer_files,
         "converter": "torchtune_dtf.data.gguf_to_hf",
     }
