@@ -481,15 +481,21 @@ def per_token_compute(
 
 # ---- shapes of the package's builders ------------------------------------------------------------
 
+#: What the benchmarks give the tiny builders, which require both: a small vocabulary, so the LM head does
+#: not dominate a 4-layer model, and the tiny test checkpoints' 256 positions.
+TINY_ARGS = {"vocab_size": 512, "max_seq_len": 256}
+
 
 def model_shape(size: str, vocab_size: Optional[int] = None) -> ModelShape:
-    """:class:`ModelShape` of ``torchtune_dtf.models.qwen2_5.QWEN2_5_SHAPES[size]``."""
+    """:class:`ModelShape` of ``torchtune_dtf.models.qwen2_5.QWEN2_5_SHAPES[size]`` (``tiny``: with
+    ``TINY_ARGS`` unless ``vocab_size`` is given)."""
     from torchtune_dtf.models.qwen2_5 import QWEN2_5_SHAPES
 
     s = QWEN2_5_SHAPES[size]
-    vocab = vocab_size if vocab_size is not None else s.get("vocab_size", 512)
+    if vocab_size is None:
+        vocab_size = TINY_ARGS["vocab_size"] if size == "tiny" else s["vocab_size"]
     return ModelShape(
-        vocab_size=vocab,
+        vocab_size=vocab_size,
         num_layers=s["num_layers"],
         num_heads=s["num_heads"],
         num_kv_heads=s["num_kv_heads"],

@@ -6,6 +6,7 @@ and forwards go through ``RoutedTransformerDecoder.forward`` / the routed layers
 """
 
 import contextlib
+import functools
 import math
 import os
 import statistics
@@ -70,8 +71,10 @@ def routing_for(variant: str, *, capacity: Optional[float] = None, student: Opti
 # ---- building ---------------------------------------------------------------------------------------
 
 
-def builder(variant: str, size: str):
-    return getattr(qwen2_5, f"{variant}_qwen2_5_{size}")
+def builder(variant: str, size: str) -> Callable[..., torch.nn.Module]:
+    """The package's ``{variant}_qwen2_5_{size}`` builder (``tiny``: with ``closed_form.TINY_ARGS`` bound)."""
+    build = getattr(qwen2_5, f"{variant}_qwen2_5_{size}")
+    return functools.partial(build, **cf.TINY_ARGS) if size == "tiny" else build
 
 
 def build_dense(size: str, seed: int = 0) -> torch.nn.Module:

@@ -6,6 +6,8 @@ import torch
 from torchtune_dtf.models import qwen2_5
 
 VOCAB = 512
+#: The tiny builders require it; the tiny HF checkpoints of the tests have max_position_embeddings 256.
+MAX_SEQ_LEN = 256
 
 MOD_ROUTING = dict(
     routed_layers="every_other",
@@ -50,7 +52,7 @@ def routing_kwargs(variant: str, **overrides):
 def tiny_architecture():
     from torchtune_dtf.models.qwen2_5._model_builders import QWEN2_5_SHAPES
 
-    return {**QWEN2_5_SHAPES["tiny"], "vocab_size": VOCAB}
+    return {**QWEN2_5_SHAPES["tiny"], "vocab_size": VOCAB, "max_seq_len": MAX_SEQ_LEN}
 
 
 def build_tiny(variant: str, seed: int = 0, **overrides):
@@ -59,7 +61,7 @@ def build_tiny(variant: str, seed: int = 0, **overrides):
     model = qwen2_5.routed_qwen2(variant, **tiny_architecture(), **routing_kwargs(variant, **overrides))
     # Backbone weights from a dense model with the same seed, so every variant shares them.
     torch.manual_seed(seed)
-    dense = qwen2_5.dense_qwen2_5_tiny(vocab_size=VOCAB)
+    dense = qwen2_5.dense_qwen2_5_tiny(vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN)
     _perturb_norms(dense, seed)
     model.load_state_dict(dense.state_dict(), strict=False)
     return model.eval()

@@ -12,7 +12,7 @@ from torchtune import config, training
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
 from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 
-from tests.conftest import MOD_ROUTING, SURPRISE_ROUTING, VOCAB
+from tests.conftest import MAX_SEQ_LEN, MOD_ROUTING, SURPRISE_ROUTING, VOCAB
 from torchtune_dtf.modules import RoutingContext, is_routing_key
 from torchtune_dtf.training import ROUTING_WEIGHTS_FNAME, RoutedHFCheckpointer, routed_adapter_state_dict
 
@@ -32,7 +32,7 @@ def model_config(variant, lora=False, **overrides):
         routing = {k: routing[k] for k in MOD_ROUTING}
     prefix = "lora_" if lora else ""
     component = f"torchtune_dtf.models.qwen2_5.{prefix}{variant}_qwen2_5_tiny"
-    cfg = {"_component_": component, "vocab_size": VOCAB, **routing}
+    cfg = {"_component_": component, "vocab_size": VOCAB, "max_seq_len": MAX_SEQ_LEN, **routing}
     return {**cfg, **LORA} if lora else cfg
 
 

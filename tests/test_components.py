@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torchtune.modules.peft import get_adapter_params
 
-from tests.conftest import MOD_ROUTING, SURPRISE_ROUTING, VOCAB
+from tests.conftest import MAX_SEQ_LEN, MOD_ROUTING, SURPRISE_ROUTING, VOCAB
 from torchtune_dtf.models import validate_routing
 from torchtune_dtf.models.qwen2_5 import lora_stt_qwen2_5_tiny, stt_qwen2_5_0_5b, stt_qwen2_5_tiny
 from torchtune_dtf.modules import (
@@ -125,7 +125,8 @@ def test_meta_build_of_0_5b_has_the_qwen_parameter_count():
 
 def test_lora_twin_trains_adapters_and_every_routing_parameter():
     model = lora_stt_qwen2_5_tiny(
-        ["q_proj", "v_proj"], True, lora_rank=4, lora_alpha=8, lora_dropout=0.0, vocab_size=VOCAB, **SURPRISE_ROUTING
+        ["q_proj", "v_proj"], True, lora_rank=4, lora_alpha=8, lora_dropout=0.0, vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN,
+        **SURPRISE_ROUTING,
     )
     adapter = set(get_adapter_params(model))
     routing = {n for n in dict(model.named_parameters()) if any(r in n for r in ("router", "transition"))}
@@ -139,7 +140,7 @@ def test_every_problem_is_reported_at_once():
     bad = dict(SURPRISE_ROUTING, capacity=1.5, ma_window=-3, o_ce_init=0.0, student_routing_mode="sometimes")
     del bad["m_cu_init"]
     with pytest.raises(ValueError) as err:
-        stt_qwen2_5_tiny(vocab_size=VOCAB, **bad)
+        stt_qwen2_5_tiny(vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN, **bad)
     message = str(err.value)
     for fragment in ("m_cu_init", "capacity", "ma_window", "o_ce_init", "student_routing_mode"):
         assert fragment in message, message

@@ -6,8 +6,7 @@ import torch.nn.functional as F
 from torchtune.models.qwen2 import qwen2
 from torchtune.modules import TransformerSelfAttentionLayer
 
-from tests.conftest import ROUTED_VARIANTS, VOCAB, build_tiny
-from torchtune_dtf.models.qwen2_5 import QWEN2_5_SHAPES
+from tests.conftest import ROUTED_VARIANTS, VOCAB, build_tiny, tiny_architecture
 from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext, SDTDecisionLayer
 from torchtune_dtf.modules.routed_block import routed_block_forward
 from torchtune_dtf.modules.selection import mask_selection, topk_selection
@@ -20,8 +19,7 @@ def teacher_ctx(**kw):
 
 
 def torchtune_dense_reference(model):
-    shape = {k: v for k, v in QWEN2_5_SHAPES["tiny"].items()}
-    reference = qwen2(vocab_size=VOCAB, **shape)
+    reference = qwen2(**tiny_architecture())
     missing, unexpected = reference.load_state_dict(model.state_dict(), strict=False)
     assert not missing
     assert all(any(n in k for n in ("router", "transition", "prior_ffn")) for k in unexpected)

@@ -42,7 +42,7 @@ def tiny_stand_in(path: Path):
             model.dropped_layers = [2]
     else:
         model._component_ = re.sub(r"qwen2_5_[0-9a-z_]+$", "qwen2_5_tiny", model._component_)
-        model.vocab_size = 151936
+        model.vocab_size, model.max_seq_len = 151936, 256  # the tiny checkpoint's
     cfg.output_dir = "./outputs"
     cfg.tokenizer = {"_component_": "torchtune.models.qwen2_5.qwen2_5_tokenizer", "path": "./qwen2_5_tokenizer/vocab.json",
                      "merges_file": "./qwen2_5_tokenizer/merges.txt", "max_seq_len": 48}

@@ -357,7 +357,7 @@ def test_tiny_configs_build_a_student_routed_stt_model(name):
         model = config.instantiate(cfg.model)
     assert isinstance(model, RoutedTransformerDecoder) and model.variant == "stt"
     routed = [layer for layer in model.layers if isinstance(layer, STTLayer)]
-    spec = validate_routing("stt", len(model.layers), **{k: v for k, v in cfg.model.items() if k not in ("_component_", "vocab_size")})
+    spec = validate_routing("stt", len(model.layers), **{k: v for k, v in cfg.model.items() if k not in ("_component_", "vocab_size", "max_seq_len")})
     assert [layer.layer_idx for layer in routed] == spec.routed_layers == [1, 3]
     assert all(layer.student_routing_mode == "threshold" for layer in routed)
 

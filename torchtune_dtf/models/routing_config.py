@@ -30,6 +30,11 @@ COMMON_KEYS = (
     "skipped_tokens_write_kv",
     "skip_update",
 )
+#: ``routed_layers`` / ``dropped_layers``: a name from ``PLACEMENTS`` or a list of layer indices.
+Placement = Union[str, List[int]]
+#: ``capacity``: one γ for every routed layer, or one γ per routed layer.
+Capacity = Union[float, List[float]]
+
 #: Named placements of ``routed_layers`` (a list of indices is the alternative).
 PLACEMENTS = {
     # 1, 3, 5, …: the papers' placement; with an even number of layers the last layer is routed.

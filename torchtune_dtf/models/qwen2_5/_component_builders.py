@@ -1,11 +1,16 @@
-"""Component builders for routed Qwen2 decoders (dense, MoD, SDT, STT) and their LoRA twins.
+"""Component builders for routed Qwen2 decoders (dense, MoD, SDT, STT, and the baselines) and their LoRA twins.
 
 Blocks are built exactly as torchtune's ``qwen2`` builds them, so every pretrained weight keeps its
 dense key name; routed layers add only their routing modules (see ``ROUTING_MODULE_NAMES``).
+
+:func:`routed_qwen2` and :func:`lora_routed_qwen2` take the architecture as flat keyword arguments, like
+torchtune's ``qwen2``, because YAML configs (``configs/quickstart/*_smollm2.yaml``) list them one by one.
+Both gather them into one :class:`Qwen2Architecture` first, which is where they are defined and documented.
 """
 
+from dataclasses import dataclass, fields
 from functools import partial
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List
 
 from torch import nn
 from torchtune.models.qwen2._component_builders import lora_qwen2_mlp, lora_qwen2_self_attention, qwen2_mlp
@@ -28,24 +33,65 @@ from torchtune_dtf.modules.routers import CausalRouter, MoDRouter
 from torchtune_dtf.modules.surprise import PredictiveRouter
 
 
-def qwen2_self_attention(
-    *, embed_dim: int, num_heads: int, num_kv_heads: int, max_seq_len: int, attn_dropout: float, rope: nn.Module
-) -> MultiHeadAttention:
+@dataclass(frozen=True)
+class Qwen2Architecture:
+    """The shape of a Qwen2 decoder: the architecture arguments of torchtune's ``qwen2`` builder.
+
+    These are the architecture keyword arguments of :func:`routed_qwen2` and :func:`lora_routed_qwen2`
+    (``tests/test_builders.py`` checks that their signatures list exactly these fields), and the keys of
+    ``QWEN2_5_SHAPES`` in the model builders.
+
+    Args:
+        vocab_size (int): number of token embeddings (rows of the embedding and output matrices).
+        num_layers (int): number of decoder layers.
+        num_heads (int): query heads; the head dimension is ``embed_dim // num_heads``.
+        num_kv_heads (int): key/value heads (grouped-query attention when fewer than ``num_heads``).
+        embed_dim (int): model width d.
+        intermediate_dim (int): hidden width of the SwiGLU MLP.
+        max_seq_len (int): longest sequence the model takes (length of the RoPE table and of a full KV cache).
+        attn_dropout (float): attention dropout probability.
+        norm_eps (float): RMSNorm epsilon.
+        rope_base (float): RoPE base frequency.
+        tie_word_embeddings (bool): the output projection is the token embedding matrix (``TiedLinear``).
+    """
+
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    embed_dim: int
+    intermediate_dim: int
+    max_seq_len: int
+    attn_dropout: float
+    norm_eps: float
+    rope_base: float
+    tie_word_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+
+#: Names of the architecture arguments, in signature order.
+ARCHITECTURE_KEYS = tuple(f.name for f in fields(Qwen2Architecture))
+
+
+def qwen2_self_attention(arch: Qwen2Architecture, rope: nn.Module) -> MultiHeadAttention:
     """Qwen2 attention block exactly as in ``torchtune.models.qwen2.qwen2`` (q/k/v biases, no o bias)."""
-    head_dim = embed_dim // num_heads
+    head_dim = arch.head_dim
     return MultiHeadAttention(
-        embed_dim=embed_dim,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
+        embed_dim=arch.embed_dim,
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
         head_dim=head_dim,
-        q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=True),
-        k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=True),
-        v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=True),
-        output_proj=nn.Linear(embed_dim, embed_dim, bias=False),
+        q_proj=nn.Linear(arch.embed_dim, arch.num_heads * head_dim, bias=True),
+        k_proj=nn.Linear(arch.embed_dim, arch.num_kv_heads * head_dim, bias=True),
+        v_proj=nn.Linear(arch.embed_dim, arch.num_kv_heads * head_dim, bias=True),
+        output_proj=nn.Linear(arch.embed_dim, arch.embed_dim, bias=False),
         pos_embeddings=rope,
         kv_cache=None,
-        max_seq_len=max_seq_len,
-        attn_dropout=attn_dropout,
+        max_seq_len=arch.max_seq_len,
+        attn_dropout=arch.attn_dropout,
     )
 
 
@@ -75,22 +121,21 @@ def predictive_router(spec: RoutingSpec) -> PredictiveRouter:
 
 
 def _routed_decoder(
-    spec: RoutingSpec,
+    variant: str,
+    arch: Qwen2Architecture,
+    routing: Dict[str, Any],
     *,
     make_attn: Callable[[], MultiHeadAttention],
     make_mlp: Callable[[], nn.Module],
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    embed_dim: int,
-    max_seq_len: int,
-    norm_eps: float,
-    tie_word_embeddings: bool,
 ) -> RoutedTransformerDecoder:
+    """Validate ``routing`` for ``variant`` and assemble the decoder; ``make_attn``/``make_mlp`` build one
+    block's attention and MLP (plain or LoRA), the only difference between the two public builders."""
+    spec = validate_routing(variant, arch.num_layers, **routing)
+    embed_dim, norm_eps = arch.embed_dim, arch.norm_eps
     capacity_of = dict(zip(spec.routed_layers, spec.capacity))
     decision_layers = {i - 1 for i in spec.routed_layers} if spec.variant == "sdt" else set()
     layers = nn.ModuleList()
-    for i in range(num_layers):
+    for i in range(arch.num_layers):
         block = dict(
             attn=make_attn(),
             mlp=make_mlp(),
@@ -138,16 +183,16 @@ def _routed_decoder(
             layer = TransformerSelfAttentionLayer(**block)
         layers.append(layer)
 
-    tok_embeddings = nn.Embedding(vocab_size, embed_dim)
-    output = TiedLinear(tok_embeddings) if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
+    tok_embeddings = nn.Embedding(arch.vocab_size, embed_dim)
+    output = TiedLinear(tok_embeddings) if arch.tie_word_embeddings else nn.Linear(embed_dim, arch.vocab_size, bias=False)
     return RoutedTransformerDecoder(
         variant=spec.variant,
         routing_layer_indices=sorted(set(spec.routed_layers) | decision_layers),
         tok_embeddings=tok_embeddings,
         layers=layers,
-        max_seq_len=max_seq_len,
-        num_heads=num_heads,
-        head_dim=embed_dim // num_heads,
+        max_seq_len=arch.max_seq_len,
+        num_heads=arch.num_heads,
+        head_dim=arch.head_dim,
         norm=RMSNorm(embed_dim, eps=norm_eps),
         output=output,
     )
@@ -167,50 +212,89 @@ def routed_qwen2(
     norm_eps: float,
     rope_base: float,
     tie_word_embeddings: bool,
-    **routing,
+    **routing: Any,
 ) -> RoutedTransformerDecoder:
     """Qwen2 decoder of the given variant (``dense``, ``layerdrop``, ``random``, ``mod``, ``sdt``, ``stt``).
 
     With ``variant="dense"`` and no routing arguments it is torchtune's ``qwen2`` (same modules, same
     keys), run through the same decoder class so every comparison shares one code path.
 
+    This docstring is where the routing arguments are documented; the model builders
+    (``stt_qwen2_5_0_5b``…) take the same ones and refer here. Every one the variant uses is required
+    (no defaults in code; see :mod:`torchtune_dtf.models.routing_config`), and
+    :mod:`torchtune_dtf.models.routing_presets` has the complete sets of the shipped configs.
+
     Args:
         variant (str): model family.
         vocab_size, num_layers, num_heads, num_kv_heads, embed_dim, intermediate_dim, max_seq_len,
-        attn_dropout, norm_eps, rope_base, tie_word_embeddings: Qwen2 architecture, as ``qwen2``.
-        **routing: every routing hyperparameter of the variant, all required (see
-            :mod:`torchtune_dtf.models.routing_config`): ``routed_layers``, ``capacity``,
-            ``student_routing_mode``, ``student_threshold``, ``causal_router_input``,
-            ``causal_router_hidden_dim``, ``routing_init_std``, ``gate``, ``always_run_first_token``,
-            ``allow_noncausal_student_topk``, ``skipped_tokens_write_kv``, ``skip_update``; SDT/STT also ``prior_factor``,
-            ``ma_window``, ``o_ce_init``, ``m_cu_init``, ``teacher_selection``, ``gate_threshold``.
-            The baselines: ``layerdrop`` takes ``dropped_layers``; ``random`` takes ``routed_layers``,
-            ``capacity``, ``always_run_first_token``, ``skipped_tokens_write_kv``.
+            attn_dropout, norm_eps, rope_base, tie_word_embeddings: the architecture, as torchtune's
+            ``qwen2``; see :class:`Qwen2Architecture`.
+        **routing: the routing arguments of ``variant``, listed below.
+
+    Routing arguments of every routed variant (``mod``, ``sdt``, ``stt``):
+        routed_layers (Union[str, List[int]]): the layers that route: ``"every_other"`` (1, 3, 5, …; the
+            papers' placement, which routes the last layer when the number of layers is even),
+            ``"every_other_inner"`` (the same without the last layer) or a list of layer indices. SDT needs
+            a non-routed layer before each routed one (its Decision layer).
+        capacity (Union[float, List[float]]): γ ∈ (0, 1], the share of each sequence a routed layer runs
+            (the teacher's top-⌊γ·n⌋ of n tokens); one value, or one per routed layer.
+        student_routing_mode (str): how the causal router (the student) selects at inference:
+            ``"threshold"`` (σ(r̃) > τ, token by token) or ``"topk"`` (per-sequence top-k on a cached
+            prefill, the top ⌊γ·b⌋ rows per decoding step).
+        student_threshold (Optional[float]): τ ∈ [0, 1) for ``threshold`` mode (unused by ``topk``: ``None``).
+        causal_router_input (str): ``"current"`` (the router reads RMSNorm(x_t), d features) or
+            ``"current_previous"`` ([RMSNorm(x_t) ‖ RMSNorm(x_{t−1})], 2d features).
+        causal_router_hidden_dim (int): hidden width of the causal router.
+        routing_init_std (float): std of the normal initialisation of the routing modules' linear layers.
+        gate (str): ``"scaled"`` (the papers: training scales a selected token's update by the gate, g for
+            SDT/STT or σ(r) for MoD; SDT/STT apply 1 at inference) or ``"straight_through"`` (forward value 1
+            in training and inference, gradient through the gate).
+        always_run_first_token (bool): the first token of every sequence runs every routed layer (counted
+            in the capacity).
+        allow_noncausal_student_topk (bool): allow the student's whole-sequence top-k without a cache,
+            which is not causal (for an explicit analysis; ``False`` in every shipped config).
+        skipped_tokens_write_kv (bool): skipped tokens still write K/V, so selected tokens attend over the
+            whole context (the layer then saves no KV cache).
+        skip_update (str): what a skipped token receives: ``"none"`` (it passes unchanged) or
+            ``"predicted"`` (STT only: its transition network's forecast of the block's update).
+
+    Routing arguments of SDT and STT only:
+        prior_factor (float): f ∈ (0, 1]; the PriorFFN (SDT) or transition network (STT) has hidden width
+            max(2, ⌈f·d⌉) rounded up to even.
+        ma_window (int): tokens in the causal moving average of the static surprise D_st.
+        o_ce_init (float): initial (learnable, > 0) o_ce of the expected-event criterion
+            CE = D_st − (D_ch − log o_ce).
+        m_cu_init (float): initial (learnable, > 0) m_cu of the unexpected-event criterion
+            CU = D_st − m_cu·MA(D_st).
+        teacher_selection (str): ``"topk"`` (the top-⌊γ·n⌋ of the gate g) or ``"threshold"`` (g ≥ g_th:
+            dynamic capacity).
+        gate_threshold (Optional[float]): g_th ∈ (0, 1) for ``threshold`` selection (unused by ``topk``: ``None``).
+
+    Routing arguments of the baselines:
+        ``layerdrop``: ``dropped_layers`` (Union[str, List[int]], a placement as ``routed_layers``): layers
+            that run on no token (their weights stay).
+        ``random``: ``routed_layers``, ``capacity``, ``always_run_first_token``, ``skipped_tokens_write_kv``
+            as above; training runs a random per-sequence top-⌊γ·n⌋, inference a causal Bernoulli(γ).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
 
     Raises:
-        ValueError: listing every missing, unknown or invalid routing hyperparameter.
+        ValueError: listing every missing, unknown or invalid routing argument.
     """
-    spec = validate_routing(variant, num_layers, **routing)
-    rope = Qwen2RotaryPositionalEmbeddings(dim=embed_dim // num_heads, max_seq_len=max_seq_len, base=rope_base)
+    arch = Qwen2Architecture(
+        vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim, intermediate_dim=intermediate_dim, max_seq_len=max_seq_len, attn_dropout=attn_dropout,
+        norm_eps=norm_eps, rope_base=rope_base, tie_word_embeddings=tie_word_embeddings,
+    )
+    # One RoPE module shared by every layer, as torchtune's qwen2 does.
+    rope = Qwen2RotaryPositionalEmbeddings(dim=arch.head_dim, max_seq_len=arch.max_seq_len, base=arch.rope_base)
     return _routed_decoder(
-        spec,
-        make_attn=partial(
-            qwen2_self_attention,
-            embed_dim=embed_dim,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            max_seq_len=max_seq_len,
-            attn_dropout=attn_dropout,
-            rope=rope,
-        ),
-        make_mlp=partial(qwen2_mlp, dim=embed_dim, hidden_dim=intermediate_dim),
-        vocab_size=vocab_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        embed_dim=embed_dim,
-        max_seq_len=max_seq_len,
-        norm_eps=norm_eps,
-        tie_word_embeddings=tie_word_embeddings,
+        variant,
+        arch,
+        routing,
+        make_attn=partial(qwen2_self_attention, arch, rope),
+        make_mlp=partial(qwen2_mlp, dim=arch.embed_dim, hidden_dim=arch.intermediate_dim),
     )
 
 
@@ -233,7 +317,7 @@ def lora_routed_qwen2(
     norm_eps: float,
     rope_base: float,
     tie_word_embeddings: bool,
-    **routing,
+    **routing: Any,
 ) -> RoutedTransformerDecoder:
     """LoRA twin of :func:`routed_qwen2`: the base is frozen by the recipe, LoRA sits on the chosen
     projections of every block (routed ones included), and every routing module reports all of its
@@ -244,35 +328,35 @@ def lora_routed_qwen2(
         lora_attn_modules (List[str]): attention projections with LoRA (``q_proj``, ``k_proj``,
             ``v_proj``, ``output_proj``).
         apply_lora_to_mlp (bool): LoRA on the MLP projections too.
-        lora_rank (int), lora_alpha (float), lora_dropout (float): LoRA settings.
-        Other arguments: as :func:`routed_qwen2`.
+        lora_rank (int): rank of each low-rank update.
+        lora_alpha (float): LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_rank``).
+        lora_dropout (float): dropout on the LoRA input.
+        vocab_size, …, tie_word_embeddings: the architecture; see :class:`Qwen2Architecture`.
+        **routing: the routing arguments of ``variant``; see :func:`routed_qwen2`.
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
     """
-    spec = validate_routing(variant, num_layers, **routing)
+    arch = Qwen2Architecture(
+        vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim, intermediate_dim=intermediate_dim, max_seq_len=max_seq_len, attn_dropout=attn_dropout,
+        norm_eps=norm_eps, rope_base=rope_base, tie_word_embeddings=tie_word_embeddings,
+    )
     lora = dict(lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout)
+    # torchtune's LoRA attention builds its own RoPE module per layer (lora_qwen2 does the same).
     make_attn = partial(
         lora_qwen2_self_attention,
         lora_attn_modules,
-        embed_dim=embed_dim,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        max_seq_len=max_seq_len,
-        attn_dropout=attn_dropout,
-        rope_base=rope_base,
+        embed_dim=arch.embed_dim,
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        max_seq_len=arch.max_seq_len,
+        attn_dropout=arch.attn_dropout,
+        rope_base=arch.rope_base,
         **lora,
     )
     if apply_lora_to_mlp:
-        make_mlp = partial(lora_qwen2_mlp, dim=embed_dim, hidden_dim=intermediate_dim, **lora)
+        make_mlp = partial(lora_qwen2_mlp, dim=arch.embed_dim, hidden_dim=arch.intermediate_dim, **lora)
     else:
-        make_mlp = partial(qwen2_mlp, dim=embed_dim, hidden_dim=intermediate_dim)
-    return _routed_decoder(
-        spec,
-        make_attn=make_attn,
-        make_mlp=make_mlp,
-        vocab_size=vocab_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        embed_dim=embed_dim,
-        max_seq_len=max_seq_len,
-        norm_eps=norm_eps,
-        tie_word_embeddings=tie_word_embeddings,
-    )
+        make_mlp = partial(qwen2_mlp, dim=arch.embed_dim, hidden_dim=arch.intermediate_dim)
+    return _routed_decoder(variant, arch, routing, make_attn=make_attn, make_mlp=make_mlp)

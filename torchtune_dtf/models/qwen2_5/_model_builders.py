@@ -1,121 +1,959 @@
 """Model builders: {dense, mod, sdt, stt} × Qwen2.5 {0.5B, 1.5B, 3B, 7B, tiny}, each with a LoRA twin.
 
-Each builder maps one-to-one onto a config's ``model._component_``, e.g.
-``torchtune_dtf.models.qwen2_5.stt_qwen2_5_0_5b``. Routing hyperparameters are passed through as
-keyword arguments and are all required (no defaults; see :func:`routed_qwen2`). LoRA builders
-(``lora_stt_qwen2_5_0_5b``…) additionally require ``lora_attn_modules``, ``apply_lora_to_mlp``,
-``lora_rank``, ``lora_alpha`` and ``lora_dropout``.
+Each builder is a config's ``model._component_`` (``torchtune_dtf.models.qwen2_5.stt_qwen2_5_0_5b``) and
+fixes the architecture (``QWEN2_5_SHAPES``) of :func:`routed_qwen2` or :func:`lora_routed_qwen2`, as
+torchtune's ``qwen2_5_*`` builders fix that of ``qwen2``. Its keyword-only parameters are the variant's
+routing arguments (``routing_config.REQUIRED_KEYS[variant]``, in that order), all required and documented
+once, in :func:`routed_qwen2`; :mod:`torchtune_dtf.models.routing_presets` returns the complete sets of the
+shipped configs. LoRA twins first take ``lora_attn_modules`` and ``apply_lora_to_mlp`` (positional, as in
+torchtune) and the keyword-only ``lora_rank``, ``lora_alpha``, ``lora_dropout``.
 
-The architecture numbers are Qwen2.5's (as torchtune's ``qwen2_5_*`` builders). ``tiny`` is a small shape
-for tests and CPU smoke runs; it takes ``vocab_size`` (to match a tokenizer) and ``max_seq_len``.
+A builder passes its arguments on as ``**locals()``: as the first expression of the body, ``locals()`` is
+exactly the builder's parameters, so none of them can be wired to the wrong key by a typo
+(``tests/test_builders.py`` checks every signature against ``REQUIRED_KEYS``). ``@_reports_every_problem``
+keeps the project's promise of one error listing every missing, unknown and invalid routing argument, where
+Python alone would stop at the first unknown keyword.
+
+The architecture numbers are Qwen2.5's (as torchtune's builders; 1.5B and 7B with the base models' 131072
+``max_seq_len``). ``tiny`` is a shape for tests and CPU smoke runs; its builders also require ``vocab_size``
+(to match the tokenizer of the checkpoint) and ``max_seq_len``, which no default could know.
+
+Example:
+    >>> from torchtune_dtf.models.qwen2_5 import stt_qwen2_5_0_5b
+    >>> from torchtune_dtf.models.routing_presets import stt_routing
+    >>> model = stt_qwen2_5_0_5b(**stt_routing(capacity=0.25))  # the shipped config at γ = 0.25
 """
 
-from typing import Any, Callable, Dict
+import functools
+import inspect
+from types import MappingProxyType
+from typing import Any, Callable, List, Mapping, Optional
+
+from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_dtf.models.qwen2_5._component_builders import lora_routed_qwen2, routed_qwen2
+from torchtune_dtf.models.routing_config import REQUIRED_KEYS, Capacity, Placement, validate_routing
 from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
 
 _COMMON = dict(attn_dropout=0.0, norm_eps=1e-6, rope_base=1_000_000.0)
 
-QWEN2_5_SHAPES: Dict[str, Dict[str, Any]] = {
-    "0_5b": dict(vocab_size=151936, num_layers=24, num_heads=14, num_kv_heads=2, embed_dim=896,
-                 intermediate_dim=4864, max_seq_len=32768, tie_word_embeddings=True, **_COMMON),
-    "1_5b": dict(vocab_size=151936, num_layers=28, num_heads=12, num_kv_heads=2, embed_dim=1536,
-                 intermediate_dim=8960, max_seq_len=131072, tie_word_embeddings=True, **_COMMON),
-    "3b": dict(vocab_size=151936, num_layers=36, num_heads=16, num_kv_heads=2, embed_dim=2048,
-               intermediate_dim=11008, max_seq_len=32768, tie_word_embeddings=True, **_COMMON),
-    "7b": dict(vocab_size=152064, num_layers=28, num_heads=28, num_kv_heads=4, embed_dim=3584,
-               intermediate_dim=18944, max_seq_len=131072, tie_word_embeddings=False, **_COMMON),
-    "tiny": dict(num_layers=4, num_heads=4, num_kv_heads=2, embed_dim=64, intermediate_dim=128,
-                 max_seq_len=256, tie_word_embeddings=True, **_COMMON),
-}
+#: Architecture of each size: the fields of :class:`Qwen2Architecture`. ``tiny`` lacks ``vocab_size`` and
+#: ``max_seq_len``, which its builders require. Read-only, since every later build would see an edit.
+QWEN2_5_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    "0_5b": MappingProxyType(dict(vocab_size=151936, num_layers=24, num_heads=14, num_kv_heads=2, embed_dim=896,
+                                  intermediate_dim=4864, max_seq_len=32768, tie_word_embeddings=True, **_COMMON)),
+    "1_5b": MappingProxyType(dict(vocab_size=151936, num_layers=28, num_heads=12, num_kv_heads=2, embed_dim=1536,
+                                  intermediate_dim=8960, max_seq_len=131072, tie_word_embeddings=True, **_COMMON)),
+    "3b": MappingProxyType(dict(vocab_size=151936, num_layers=36, num_heads=16, num_kv_heads=2, embed_dim=2048,
+                                intermediate_dim=11008, max_seq_len=32768, tie_word_embeddings=True, **_COMMON)),
+    "7b": MappingProxyType(dict(vocab_size=152064, num_layers=28, num_heads=28, num_kv_heads=4, embed_dim=3584,
+                                intermediate_dim=18944, max_seq_len=131072, tie_word_embeddings=False, **_COMMON)),
+    "tiny": MappingProxyType(dict(num_layers=4, num_heads=4, num_kv_heads=2, embed_dim=64, intermediate_dim=128,
+                                  tie_word_embeddings=True, **_COMMON)),
+})
 
 
-def _builder(variant: str, size: str) -> Callable[..., RoutedTransformerDecoder]:
-    shape = QWEN2_5_SHAPES[size]
+def _reports_every_problem(builder: Callable[..., RoutedTransformerDecoder]) -> Callable[..., RoutedTransformerDecoder]:
+    """Report arguments that do not fit ``builder``'s signature as :func:`validate_routing` does.
 
-    def build(**routing) -> RoutedTransformerDecoder:
-        arch = dict(shape)
-        if size == "tiny":
-            arch["vocab_size"] = routing.pop("vocab_size", 512)
-            arch["max_seq_len"] = routing.pop("max_seq_len", arch["max_seq_len"])
-        return routed_qwen2(variant, **arch, **routing)
+    Python's TypeError names the first unknown keyword and stops; a call that does not bind is instead checked
+    by :func:`validate_routing`, whose ValueError lists every missing, unknown and invalid routing argument
+    (the TypeError stays attached as its cause; when the routing arguments are fine, e.g. a LoRA argument is
+    missing, the TypeError is Python's). Name, docstring and ``inspect.signature`` are the builder's.
+    """
+    variant = builder.__name__.removeprefix("lora_").split("_", 1)[0]
+    num_layers = QWEN2_5_SHAPES[builder.__name__.split("_qwen2_5_", 1)[1]]["num_layers"]
+    signature = inspect.signature(builder)
+    not_routing = set(signature.parameters) - set(REQUIRED_KEYS[variant])  # LoRA and tiny-shape arguments
 
-    build.__name__ = build.__qualname__ = f"{variant}_qwen2_5_{size}"
-    build.__doc__ = (
-        f"{variant.upper()} Qwen2.5-{size} decoder. Keyword arguments: the variant's routing hyperparameters "
-        "(all required; see torchtune_dtf.models.qwen2_5.routed_qwen2)."
-    )
+    @functools.wraps(builder)
+    def build(*args: Any, **kwargs: Any) -> RoutedTransformerDecoder:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as err:
+            routing = {key: value for key, value in kwargs.items() if key not in not_routing}
+            try:
+                validate_routing(variant, num_layers, **routing)
+            except ValueError as problems:
+                raise problems from err
+        # Binds, or fails for a non-routing argument: then Python's own TypeError, which names the builder.
+        return builder(*args, **kwargs)
+
     return build
 
 
-def _lora_builder(variant: str, size: str) -> Callable[..., RoutedTransformerDecoder]:
-    shape = QWEN2_5_SHAPES[size]
+@_reports_every_problem
+def dense_qwen2_5_0_5b() -> RoutedTransformerDecoder:
+    """Dense Qwen2.5-0.5B (24 layers, d = 896).
 
-    def build(
-        lora_attn_modules, apply_lora_to_mlp: bool, *, lora_rank: int, lora_alpha: float, lora_dropout: float, **routing
-    ) -> RoutedTransformerDecoder:
-        arch = dict(shape)
-        if size == "tiny":
-            arch["vocab_size"] = routing.pop("vocab_size", 512)
-            arch["max_seq_len"] = routing.pop("max_seq_len", arch["max_seq_len"])
-        return lora_routed_qwen2(
-            variant,
-            lora_attn_modules,
-            apply_lora_to_mlp,
-            lora_rank=lora_rank,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            **arch,
-            **routing,
-        )
-
-    build.__name__ = build.__qualname__ = f"lora_{variant}_qwen2_5_{size}"
-    build.__doc__ = (
-        f"LoRA twin of {variant}_qwen2_5_{size}: LoRA on lora_attn_modules (and the MLP if apply_lora_to_mlp), "
-        "routing modules fully trainable adapter parameters."
-    )
-    return build
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("dense", **QWEN2_5_SHAPES["0_5b"])
 
 
-dense_qwen2_5_0_5b = _builder("dense", "0_5b")
-dense_qwen2_5_1_5b = _builder("dense", "1_5b")
-dense_qwen2_5_3b = _builder("dense", "3b")
-dense_qwen2_5_7b = _builder("dense", "7b")
-dense_qwen2_5_tiny = _builder("dense", "tiny")
-mod_qwen2_5_0_5b = _builder("mod", "0_5b")
-mod_qwen2_5_1_5b = _builder("mod", "1_5b")
-mod_qwen2_5_3b = _builder("mod", "3b")
-mod_qwen2_5_7b = _builder("mod", "7b")
-mod_qwen2_5_tiny = _builder("mod", "tiny")
-sdt_qwen2_5_0_5b = _builder("sdt", "0_5b")
-sdt_qwen2_5_1_5b = _builder("sdt", "1_5b")
-sdt_qwen2_5_3b = _builder("sdt", "3b")
-sdt_qwen2_5_7b = _builder("sdt", "7b")
-sdt_qwen2_5_tiny = _builder("sdt", "tiny")
-stt_qwen2_5_0_5b = _builder("stt", "0_5b")
-stt_qwen2_5_1_5b = _builder("stt", "1_5b")
-stt_qwen2_5_3b = _builder("stt", "3b")
-stt_qwen2_5_7b = _builder("stt", "7b")
-stt_qwen2_5_tiny = _builder("stt", "tiny")
+@_reports_every_problem
+def dense_qwen2_5_1_5b() -> RoutedTransformerDecoder:
+    """Dense Qwen2.5-1.5B (28 layers, d = 1536).
 
-lora_dense_qwen2_5_0_5b = _lora_builder("dense", "0_5b")
-lora_dense_qwen2_5_1_5b = _lora_builder("dense", "1_5b")
-lora_dense_qwen2_5_3b = _lora_builder("dense", "3b")
-lora_dense_qwen2_5_7b = _lora_builder("dense", "7b")
-lora_dense_qwen2_5_tiny = _lora_builder("dense", "tiny")
-lora_mod_qwen2_5_0_5b = _lora_builder("mod", "0_5b")
-lora_mod_qwen2_5_1_5b = _lora_builder("mod", "1_5b")
-lora_mod_qwen2_5_3b = _lora_builder("mod", "3b")
-lora_mod_qwen2_5_7b = _lora_builder("mod", "7b")
-lora_mod_qwen2_5_tiny = _lora_builder("mod", "tiny")
-lora_sdt_qwen2_5_0_5b = _lora_builder("sdt", "0_5b")
-lora_sdt_qwen2_5_1_5b = _lora_builder("sdt", "1_5b")
-lora_sdt_qwen2_5_3b = _lora_builder("sdt", "3b")
-lora_sdt_qwen2_5_7b = _lora_builder("sdt", "7b")
-lora_sdt_qwen2_5_tiny = _lora_builder("sdt", "tiny")
-lora_stt_qwen2_5_0_5b = _lora_builder("stt", "0_5b")
-lora_stt_qwen2_5_1_5b = _lora_builder("stt", "1_5b")
-lora_stt_qwen2_5_3b = _lora_builder("stt", "3b")
-lora_stt_qwen2_5_7b = _lora_builder("stt", "7b")
-lora_stt_qwen2_5_tiny = _lora_builder("stt", "tiny")
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("dense", **QWEN2_5_SHAPES["1_5b"])
+
+
+@_reports_every_problem
+def dense_qwen2_5_3b() -> RoutedTransformerDecoder:
+    """Dense Qwen2.5-3B (36 layers, d = 2048).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("dense", **QWEN2_5_SHAPES["3b"])
+
+
+@_reports_every_problem
+def dense_qwen2_5_7b() -> RoutedTransformerDecoder:
+    """Dense Qwen2.5-7B (28 layers, d = 3584).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 152064]``.
+    """
+    return routed_qwen2("dense", **QWEN2_5_SHAPES["7b"])
+
+
+@_reports_every_problem
+def dense_qwen2_5_tiny(
+    *,
+    vocab_size: int, max_seq_len: int,
+) -> RoutedTransformerDecoder:
+    """Dense tiny Qwen2.5-shaped model (4 layers, d = 64).
+
+    Args:
+        vocab_size (int): rows of the embedding (the tokenizer's vocabulary size).
+        max_seq_len (int): longest sequence the model takes (RoPE table, full KV cache).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
+    """
+    return routed_qwen2("dense", **QWEN2_5_SHAPES["tiny"], **locals())
+
+
+@_reports_every_problem
+def mod_qwen2_5_0_5b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+) -> RoutedTransformerDecoder:
+    """MoD (Mixture-of-Depths) Qwen2.5-0.5B (24 layers, d = 896).
+
+    Takes MoD's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.mod_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("mod", **QWEN2_5_SHAPES["0_5b"], **locals())
+
+
+@_reports_every_problem
+def mod_qwen2_5_1_5b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+) -> RoutedTransformerDecoder:
+    """MoD (Mixture-of-Depths) Qwen2.5-1.5B (28 layers, d = 1536).
+
+    Takes MoD's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.mod_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("mod", **QWEN2_5_SHAPES["1_5b"], **locals())
+
+
+@_reports_every_problem
+def mod_qwen2_5_3b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+) -> RoutedTransformerDecoder:
+    """MoD (Mixture-of-Depths) Qwen2.5-3B (36 layers, d = 2048).
+
+    Takes MoD's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.mod_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("mod", **QWEN2_5_SHAPES["3b"], **locals())
+
+
+@_reports_every_problem
+def mod_qwen2_5_7b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+) -> RoutedTransformerDecoder:
+    """MoD (Mixture-of-Depths) Qwen2.5-7B (28 layers, d = 3584).
+
+    Takes MoD's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.mod_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 152064]``.
+    """
+    return routed_qwen2("mod", **QWEN2_5_SHAPES["7b"], **locals())
+
+
+@_reports_every_problem
+def mod_qwen2_5_tiny(
+    *,
+    vocab_size: int, max_seq_len: int,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+) -> RoutedTransformerDecoder:
+    """MoD (Mixture-of-Depths) tiny Qwen2.5-shaped model (4 layers, d = 64).
+
+    Takes MoD's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.mod_routing` gives the shipped 0.5B configs' values).
+
+    Args:
+        vocab_size (int): rows of the embedding (the tokenizer's vocabulary size).
+        max_seq_len (int): longest sequence the model takes (RoPE table, full KV cache).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
+    """
+    return routed_qwen2("mod", **QWEN2_5_SHAPES["tiny"], **locals())
+
+
+@_reports_every_problem
+def sdt_qwen2_5_0_5b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """SDT (Subjective Depth) Qwen2.5-0.5B (24 layers, d = 896).
+
+    Takes SDT's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.sdt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("sdt", **QWEN2_5_SHAPES["0_5b"], **locals())
+
+
+@_reports_every_problem
+def sdt_qwen2_5_1_5b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """SDT (Subjective Depth) Qwen2.5-1.5B (28 layers, d = 1536).
+
+    Takes SDT's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.sdt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("sdt", **QWEN2_5_SHAPES["1_5b"], **locals())
+
+
+@_reports_every_problem
+def sdt_qwen2_5_3b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """SDT (Subjective Depth) Qwen2.5-3B (36 layers, d = 2048).
+
+    Takes SDT's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.sdt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("sdt", **QWEN2_5_SHAPES["3b"], **locals())
+
+
+@_reports_every_problem
+def sdt_qwen2_5_7b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """SDT (Subjective Depth) Qwen2.5-7B (28 layers, d = 3584).
+
+    Takes SDT's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.sdt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 152064]``.
+    """
+    return routed_qwen2("sdt", **QWEN2_5_SHAPES["7b"], **locals())
+
+
+@_reports_every_problem
+def sdt_qwen2_5_tiny(
+    *,
+    vocab_size: int, max_seq_len: int,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """SDT (Subjective Depth) tiny Qwen2.5-shaped model (4 layers, d = 64).
+
+    Takes SDT's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.sdt_routing` gives the shipped 0.5B configs' values).
+
+    Args:
+        vocab_size (int): rows of the embedding (the tokenizer's vocabulary size).
+        max_seq_len (int): longest sequence the model takes (RoPE table, full KV cache).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
+    """
+    return routed_qwen2("sdt", **QWEN2_5_SHAPES["tiny"], **locals())
+
+
+@_reports_every_problem
+def stt_qwen2_5_0_5b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """STT (Subjective Timescale) Qwen2.5-0.5B (24 layers, d = 896).
+
+    Takes STT's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.stt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("stt", **QWEN2_5_SHAPES["0_5b"], **locals())
+
+
+@_reports_every_problem
+def stt_qwen2_5_1_5b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """STT (Subjective Timescale) Qwen2.5-1.5B (28 layers, d = 1536).
+
+    Takes STT's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.stt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("stt", **QWEN2_5_SHAPES["1_5b"], **locals())
+
+
+@_reports_every_problem
+def stt_qwen2_5_3b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """STT (Subjective Timescale) Qwen2.5-3B (36 layers, d = 2048).
+
+    Takes STT's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.stt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return routed_qwen2("stt", **QWEN2_5_SHAPES["3b"], **locals())
+
+
+@_reports_every_problem
+def stt_qwen2_5_7b(
+    *,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """STT (Subjective Timescale) Qwen2.5-7B (28 layers, d = 3584).
+
+    Takes STT's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.stt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 152064]``.
+    """
+    return routed_qwen2("stt", **QWEN2_5_SHAPES["7b"], **locals())
+
+
+@_reports_every_problem
+def stt_qwen2_5_tiny(
+    *,
+    vocab_size: int, max_seq_len: int,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """STT (Subjective Timescale) tiny Qwen2.5-shaped model (4 layers, d = 64).
+
+    Takes STT's routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.stt_routing` gives the shipped 0.5B configs' values).
+
+    Args:
+        vocab_size (int): rows of the embedding (the tokenizer's vocabulary size).
+        max_seq_len (int): longest sequence the model takes (RoPE table, full KV cache).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
+    """
+    return routed_qwen2("stt", **QWEN2_5_SHAPES["tiny"], **locals())
+
+
+@_reports_every_problem
+def lora_dense_qwen2_5_0_5b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+) -> RoutedTransformerDecoder:
+    """LoRA Dense Qwen2.5-0.5B (24 layers, d = 896).
+
+    LoRA twin of :func:`dense_qwen2_5_0_5b`; the LoRA arguments are those of :func:`lora_routed_qwen2`.
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("dense", **QWEN2_5_SHAPES["0_5b"], **locals())
+
+
+@_reports_every_problem
+def lora_dense_qwen2_5_1_5b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+) -> RoutedTransformerDecoder:
+    """LoRA Dense Qwen2.5-1.5B (28 layers, d = 1536).
+
+    LoRA twin of :func:`dense_qwen2_5_1_5b`; the LoRA arguments are those of :func:`lora_routed_qwen2`.
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("dense", **QWEN2_5_SHAPES["1_5b"], **locals())
+
+
+@_reports_every_problem
+def lora_dense_qwen2_5_3b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+) -> RoutedTransformerDecoder:
+    """LoRA Dense Qwen2.5-3B (36 layers, d = 2048).
+
+    LoRA twin of :func:`dense_qwen2_5_3b`; the LoRA arguments are those of :func:`lora_routed_qwen2`.
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("dense", **QWEN2_5_SHAPES["3b"], **locals())
+
+
+@_reports_every_problem
+def lora_dense_qwen2_5_7b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+) -> RoutedTransformerDecoder:
+    """LoRA Dense Qwen2.5-7B (28 layers, d = 3584).
+
+    LoRA twin of :func:`dense_qwen2_5_7b`; the LoRA arguments are those of :func:`lora_routed_qwen2`.
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 152064]``.
+    """
+    return lora_routed_qwen2("dense", **QWEN2_5_SHAPES["7b"], **locals())
+
+
+@_reports_every_problem
+def lora_dense_qwen2_5_tiny(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    vocab_size: int, max_seq_len: int,
+) -> RoutedTransformerDecoder:
+    """LoRA Dense tiny Qwen2.5-shaped model (4 layers, d = 64).
+
+    LoRA twin of :func:`dense_qwen2_5_tiny`; the LoRA arguments are those of :func:`lora_routed_qwen2`.
+
+    Args:
+        vocab_size (int): rows of the embedding (the tokenizer's vocabulary size).
+        max_seq_len (int): longest sequence the model takes (RoPE table, full KV cache).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
+    """
+    return lora_routed_qwen2("dense", **QWEN2_5_SHAPES["tiny"], **locals())
+
+
+@_reports_every_problem
+def lora_mod_qwen2_5_0_5b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+) -> RoutedTransformerDecoder:
+    """LoRA MoD (Mixture-of-Depths) Qwen2.5-0.5B (24 layers, d = 896).
+
+    LoRA twin of :func:`mod_qwen2_5_0_5b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes MoD's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.mod_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("mod", **QWEN2_5_SHAPES["0_5b"], **locals())
+
+
+@_reports_every_problem
+def lora_mod_qwen2_5_1_5b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+) -> RoutedTransformerDecoder:
+    """LoRA MoD (Mixture-of-Depths) Qwen2.5-1.5B (28 layers, d = 1536).
+
+    LoRA twin of :func:`mod_qwen2_5_1_5b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes MoD's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.mod_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("mod", **QWEN2_5_SHAPES["1_5b"], **locals())
+
+
+@_reports_every_problem
+def lora_mod_qwen2_5_3b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+) -> RoutedTransformerDecoder:
+    """LoRA MoD (Mixture-of-Depths) Qwen2.5-3B (36 layers, d = 2048).
+
+    LoRA twin of :func:`mod_qwen2_5_3b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes MoD's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.mod_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("mod", **QWEN2_5_SHAPES["3b"], **locals())
+
+
+@_reports_every_problem
+def lora_mod_qwen2_5_7b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+) -> RoutedTransformerDecoder:
+    """LoRA MoD (Mixture-of-Depths) Qwen2.5-7B (28 layers, d = 3584).
+
+    LoRA twin of :func:`mod_qwen2_5_7b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes MoD's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.mod_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 152064]``.
+    """
+    return lora_routed_qwen2("mod", **QWEN2_5_SHAPES["7b"], **locals())
+
+
+@_reports_every_problem
+def lora_mod_qwen2_5_tiny(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    vocab_size: int, max_seq_len: int,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+) -> RoutedTransformerDecoder:
+    """LoRA MoD (Mixture-of-Depths) tiny Qwen2.5-shaped model (4 layers, d = 64).
+
+    LoRA twin of :func:`mod_qwen2_5_tiny`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes MoD's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.mod_routing` gives the shipped 0.5B configs' values).
+
+    Args:
+        vocab_size (int): rows of the embedding (the tokenizer's vocabulary size).
+        max_seq_len (int): longest sequence the model takes (RoPE table, full KV cache).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
+    """
+    return lora_routed_qwen2("mod", **QWEN2_5_SHAPES["tiny"], **locals())
+
+
+@_reports_every_problem
+def lora_sdt_qwen2_5_0_5b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """LoRA SDT (Subjective Depth) Qwen2.5-0.5B (24 layers, d = 896).
+
+    LoRA twin of :func:`sdt_qwen2_5_0_5b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes SDT's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.sdt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("sdt", **QWEN2_5_SHAPES["0_5b"], **locals())
+
+
+@_reports_every_problem
+def lora_sdt_qwen2_5_1_5b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """LoRA SDT (Subjective Depth) Qwen2.5-1.5B (28 layers, d = 1536).
+
+    LoRA twin of :func:`sdt_qwen2_5_1_5b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes SDT's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.sdt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("sdt", **QWEN2_5_SHAPES["1_5b"], **locals())
+
+
+@_reports_every_problem
+def lora_sdt_qwen2_5_3b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """LoRA SDT (Subjective Depth) Qwen2.5-3B (36 layers, d = 2048).
+
+    LoRA twin of :func:`sdt_qwen2_5_3b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes SDT's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.sdt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("sdt", **QWEN2_5_SHAPES["3b"], **locals())
+
+
+@_reports_every_problem
+def lora_sdt_qwen2_5_7b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """LoRA SDT (Subjective Depth) Qwen2.5-7B (28 layers, d = 3584).
+
+    LoRA twin of :func:`sdt_qwen2_5_7b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes SDT's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.sdt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 152064]``.
+    """
+    return lora_routed_qwen2("sdt", **QWEN2_5_SHAPES["7b"], **locals())
+
+
+@_reports_every_problem
+def lora_sdt_qwen2_5_tiny(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    vocab_size: int, max_seq_len: int,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """LoRA SDT (Subjective Depth) tiny Qwen2.5-shaped model (4 layers, d = 64).
+
+    LoRA twin of :func:`sdt_qwen2_5_tiny`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes SDT's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.sdt_routing` gives the shipped 0.5B configs' values).
+
+    Args:
+        vocab_size (int): rows of the embedding (the tokenizer's vocabulary size).
+        max_seq_len (int): longest sequence the model takes (RoPE table, full KV cache).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
+    """
+    return lora_routed_qwen2("sdt", **QWEN2_5_SHAPES["tiny"], **locals())
+
+
+@_reports_every_problem
+def lora_stt_qwen2_5_0_5b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """LoRA STT (Subjective Timescale) Qwen2.5-0.5B (24 layers, d = 896).
+
+    LoRA twin of :func:`stt_qwen2_5_0_5b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes STT's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.stt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["0_5b"], **locals())
+
+
+@_reports_every_problem
+def lora_stt_qwen2_5_1_5b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """LoRA STT (Subjective Timescale) Qwen2.5-1.5B (28 layers, d = 1536).
+
+    LoRA twin of :func:`stt_qwen2_5_1_5b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes STT's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.stt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["1_5b"], **locals())
+
+
+@_reports_every_problem
+def lora_stt_qwen2_5_3b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """LoRA STT (Subjective Timescale) Qwen2.5-3B (36 layers, d = 2048).
+
+    LoRA twin of :func:`stt_qwen2_5_3b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes STT's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.stt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 151936]``.
+    """
+    return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["3b"], **locals())
+
+
+@_reports_every_problem
+def lora_stt_qwen2_5_7b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """LoRA STT (Subjective Timescale) Qwen2.5-7B (28 layers, d = 3584).
+
+    LoRA twin of :func:`stt_qwen2_5_7b`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes STT's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.stt_routing` gives the shipped 0.5B configs' values).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, 152064]``.
+    """
+    return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["7b"], **locals())
+
+
+@_reports_every_problem
+def lora_stt_qwen2_5_tiny(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool,
+    *,
+    lora_rank: int, lora_alpha: float, lora_dropout: float,
+    vocab_size: int, max_seq_len: int,
+    routed_layers: Placement, capacity: Capacity,
+    student_routing_mode: str, student_threshold: Optional[float],
+    causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
+    gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
+    skipped_tokens_write_kv: bool, skip_update: str,
+    prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
+    teacher_selection: str, gate_threshold: Optional[float],
+) -> RoutedTransformerDecoder:
+    """LoRA STT (Subjective Timescale) tiny Qwen2.5-shaped model (4 layers, d = 64).
+
+    LoRA twin of :func:`stt_qwen2_5_tiny`; the LoRA arguments are those of :func:`lora_routed_qwen2`. It takes STT's
+    routing arguments, all required and documented in :func:`routed_qwen2`
+    (:func:`~torchtune_dtf.models.routing_presets.stt_routing` gives the shipped 0.5B configs' values).
+
+    Args:
+        vocab_size (int): rows of the embedding (the tokenizer's vocabulary size).
+        max_seq_len (int): longest sequence the model takes (RoPE table, full KV cache).
+
+    Returns:
+        RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
+    """
+    return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["tiny"], **locals())

@@ -1,0 +1,110 @@
+"""Routing presets: the complete routing arguments of the shipped Qwen2.5-0.5B configs, for Python users.
+
+Configs list every routing value explicitly (there are no defaults in code). A script that builds a model
+directly would otherwise copy 12 to 18 keys out of a YAML file; these functions return the same complete
+keyword dict, optionally with some values changed. ``tests/test_builders.py`` checks that each preset equals
+the ``model:`` routing values of ``configs/{mod,sdt,stt}_qwen0_5b.yaml`` (and of their LoRA, eval and generate
+twins), so the presets and the configs cannot drift apart.
+
+The presets are the shipped configs, not the papers' settings: they route ``every_other_inner`` (the papers:
+``every_other``, which routes the last layer), always run the first token (papers: not), and SDT/STT use the
+``straight_through`` gate (papers: ``scaled``); see the README.
+
+Example:
+    >>> from torchtune_dtf.models.qwen2_5 import mod_qwen2_5_1_5b, stt_qwen2_5_0_5b
+    >>> from torchtune_dtf.models.routing_presets import mod_routing, stt_routing
+    >>> stt = stt_qwen2_5_0_5b(**stt_routing())                # exactly configs/stt_qwen0_5b.yaml's model
+    >>> mod = mod_qwen2_5_1_5b(**mod_routing(capacity=0.25))   # the MoD config at γ = 0.25, on 1.5B
+"""
+
+from typing import Any, Callable, Dict, Mapping
+
+from torchtune_dtf.models.routing_config import REQUIRED_KEYS
+
+# Values as in configs/mod_qwen0_5b.yaml; each key is documented in routed_qwen2's docstring.
+_MOD = dict(
+    routed_layers="every_other_inner",
+    capacity=0.5,
+    student_routing_mode="threshold",
+    student_threshold=0.5,
+    causal_router_input="current",
+    causal_router_hidden_dim=256,
+    routing_init_std=0.02,
+    gate="scaled",  # MoD: σ(r) in training and inference alike
+    always_run_first_token=True,
+    allow_noncausal_student_topk=False,
+    skipped_tokens_write_kv=False,
+    skip_update="none",
+)
+# configs/sdt_qwen0_5b.yaml: MoD's values with the straight-through gate, plus the surprise keys.
+_SDT = dict(
+    _MOD,
+    gate="straight_through",
+    prior_factor=0.0625,
+    ma_window=100,
+    o_ce_init=1.025,
+    m_cu_init=1.1,
+    teacher_selection="topk",
+    gate_threshold=None,
+)
+# configs/stt_qwen0_5b.yaml: SDT's values with the two-token causal router, whose input is 2d wide, at half
+# the hidden width (the same router FLOPs).
+_STT = dict(_SDT, causal_router_input="current_previous", causal_router_hidden_dim=128)
+
+
+def _preset(variant: str, values: Mapping[str, Any], overrides: Dict[str, Any]) -> Dict[str, Any]:
+    unknown = sorted(set(overrides) - set(REQUIRED_KEYS[variant]))
+    if unknown:
+        raise ValueError(f"unknown routing argument(s) for variant '{variant}': {', '.join(unknown)}")
+    return {**values, **overrides}
+
+
+def mod_routing(**overrides: Any) -> Dict[str, Any]:
+    """The routing arguments of ``configs/mod_qwen0_5b.yaml``, with ``overrides`` applied.
+
+    Args:
+        **overrides: MoD routing arguments (see :func:`~torchtune_dtf.models.qwen2_5.routed_qwen2`) to change,
+            e.g. ``capacity=0.25``.
+
+    Returns:
+        Dict[str, Any]: a new dict with every MoD routing argument, for ``mod_qwen2_5_*`` or
+        ``routed_qwen2("mod", ...)``.
+
+    Raises:
+        ValueError: if an override is not a MoD routing argument (values are checked when the model is built).
+    """
+    return _preset("mod", _MOD, overrides)
+
+
+def sdt_routing(**overrides: Any) -> Dict[str, Any]:
+    """The routing arguments of ``configs/sdt_qwen0_5b.yaml``, with ``overrides`` applied.
+
+    Args:
+        **overrides: SDT routing arguments (see :func:`~torchtune_dtf.models.qwen2_5.routed_qwen2`) to change.
+
+    Returns:
+        Dict[str, Any]: a new dict with every SDT routing argument.
+
+    Raises:
+        ValueError: if an override is not an SDT routing argument.
+    """
+    return _preset("sdt", _SDT, overrides)
+
+
+def stt_routing(**overrides: Any) -> Dict[str, Any]:
+    """The routing arguments of ``configs/stt_qwen0_5b.yaml``, with ``overrides`` applied.
+
+    Args:
+        **overrides: STT routing arguments (see :func:`~torchtune_dtf.models.qwen2_5.routed_qwen2`) to change.
+
+    Returns:
+        Dict[str, Any]: a new dict with every STT routing argument.
+
+    Raises:
+        ValueError: if an override is not an STT routing argument.
+    """
+    return _preset("stt", _STT, overrides)
+
+
+#: Preset of each routed variant, by name.
+ROUTING_PRESETS: Dict[str, Callable[..., Dict[str, Any]]] = {"mod": mod_routing, "sdt": sdt_routing, "stt": stt_routing}
