@@ -7,7 +7,10 @@
   plus a third written here (``tiny_routed_gen_equal_len``: prompts of one token length, so the stock
   wrapper's batches carry no padding and torchtune's ``generate`` passes one ``[1, L, L]`` causal mask
   for the whole batch), with the ``gpt2`` stand-in of ``torchtune_dtf.data.lm_eval_offline`` in a
-  private HF cache.
+  private HF cache;
+- the thin wrappers ``tune run torchtune_dtf/recipes/routed_generate.py`` and ``routed_eval.py`` on the same
+  configs: the stock output, then the executed fraction per routed layer (checked against the
+  ``RoutingContext`` records of the same generation run in process).
 
 The recipes run as subprocesses (``tune run ...``: the ``tune`` script beside this interpreter, else
 ``python -m torchtune._cli.tune``, the same entry point) in a temporary working directory with every hub switched off (HF_HUB_OFFLINE,
@@ -550,3 +553,86 @@ def test_tune_run_eleuther_eval(workdir, qwen_tokenizer):
     # Nothing was downloaded: the private HF cache holds the gpt2 stand-in (and datasets' local cache) only.
     hub = workdir / "hf_home" / "hub"
     assert sorted(p.name for p in hub.iterdir() if p.name.startswith("models--")) == ["models--gpt2"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The thin wrappers: the stock recipes, then the executed fraction per routed layer
+# ------------------------------------------------------------------------------------------------
+FRACTIONS_LINE = re.compile(r"executed fraction per routed layer: (?P<layers>[^;\n]+); mean (?P<mean>[0-9.]+)")
+COUNTS_LINE = re.compile(r"executed/seen tokens per routed layer \(student routing\): (?P<layers>[^;\n]+); counted: ")
+
+
+def _printed_routing(out: str):
+    """({layer: fraction}, mean, {layer: (executed, seen)}) from the wrappers' two log lines."""
+    fractions, counts = FRACTIONS_LINE.search(out), COUNTS_LINE.search(out)
+    assert fractions and counts, out[-3000:]
+    by_layer = {int(k): float(v) for k, v in (item.split(": ") for item in fractions["layers"].split(", "))}
+    tokens = {}
+    for item in counts["layers"].split(", "):
+        layer, ratio = item.split(": ")
+        executed, seen = ratio.split("/")
+        tokens[int(layer)] = (int(executed), int(seen))
+    return by_layer, float(fractions["mean"]), tokens
+
+
+def test_tune_run_routed_generate_prints_executed_fractions(workdir, qwen_tokenizer, monkeypatch):
+    from torchtune import config, generation, training
+    from torchtune.data import Message
+
+    from tests.test_selective_cache import record_routed_calls
+
+    proc = run_tune(workdir, "torchtune_dtf/recipes/routed_generate.py", "--config", str(CONFIGS / "generate_stt.yaml"))
+    out = _output(proc)
+    assert proc.returncode == 0, out[-5000:]
+    # The stock recipe's own output, unchanged.
+    completion = r"<\|im_start\|>assistant\n(<\|im_end\|>)?" + re.escape(CHAIN_TEXT) + r"<\|endoftext\|>\n"
+    assert re.search(completion, out), out[-3000:]
+    assert "Time for inference" in out and "huggingface.co" not in out
+    fractions, mean, printed = _printed_routing(out)
+
+    # The same generation in process, its decisions read from the RoutingContext records of every call.
+    cfg = OmegaConf.load(CONFIGS / "generate_stt.yaml")
+    cfg.checkpointer.checkpoint_dir = str(workdir / "tiny_qwen2_5_hf")
+    cfg.output_dir = str(workdir / "outputs")
+    model = config.instantiate(cfg.model)
+    model.load_state_dict(config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY])
+    messages = [Message(role="user", content=cfg.prompt.user), Message(role="assistant", content="")]
+    prompt = torch.tensor(qwen_tokenizer({"messages": messages}, inference=True)["tokens"])
+    _, decisions, handles = record_routed_calls(model.eval())
+    model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=prompt.numel() + cfg.max_new_tokens)
+    with torch.inference_mode():
+        generation.generate(model, prompt, max_generated_tokens=cfg.max_new_tokens, pad_id=qwen_tokenizer.pad_id,
+                            temperature=cfg.temperature, top_k=cfg.top_k, stop_tokens=qwen_tokenizer.stop_tokens)
+    for handle in handles:
+        handle.remove()
+    expected = {idx: (int(torch.cat(calls, dim=1).sum()), prompt.numel() + len(CHAIN_IDS)) for idx, calls in decisions.items()}
+    # Prompt + the 4 chain tokens fed back (<|endoftext|>, the last generated, never is).
+    assert printed == expected
+    assert all(0 < executed < seen for executed, seen in expected.values()), "all or no tokens ran: proves nothing"
+    assert fractions == {idx: round(executed / seen, 4) for idx, (executed, seen) in expected.items()}
+    assert mean == pytest.approx(sum(e / s for e, s in expected.values()) / len(expected), abs=1e-4)
+
+
+def test_tune_run_routed_eval_prints_and_saves_executed_fractions(workdir):
+    from torchtune_dtf.recipes.routed_eval import RESULTS_FILE
+
+    results = workdir / "outputs" / RESULTS_FILE
+    results.unlink(missing_ok=True)
+    proc = run_tune(workdir, "torchtune_dtf/recipes/routed_eval.py", "--config", str(CONFIGS / "eval_stt.yaml"))
+    out = _output(proc)
+    assert proc.returncode == 0, out[-5000:]
+    # The stock results table, unchanged (loglikelihood and KV-cached generation tasks).
+    assert _metric(out, "tiny_routed_mc", "acc") == 1.0
+    assert _metric(out, "tiny_routed_gen", "exact_match") == 1.0
+    fractions, mean, printed = _printed_routing(out)
+    assert sorted(printed) == [1, 3]
+    assert len({seen for _, seen in printed.values()}) == 1, "every routed layer sees the same tokens"
+    assert all(0 < executed < seen for executed, seen in printed.values())
+    saved = json.loads(results.read_text(encoding="utf-8"))
+    assert saved["results"]["tiny_routed_mc"]["acc,none"] == 1.0
+    assert saved["results"]["tiny_routed_gen"]["exact_match,none"] == 1.0
+    routing = saved["routing"]
+    assert {int(k): (v, routing["seen_tokens"][k]) for k, v in routing["executed_tokens"].items()} == printed
+    assert {int(k): round(v, 4) for k, v in routing["executed_fraction"].items()} == fractions
+    assert round(routing["mean_executed_fraction"], 4) == mean
+    assert "padding included" in routing["counted"]

@@ -4,13 +4,20 @@ It stays a drop-in ``TransformerDecoder`` for every torchtune caller (generation
 chunked-output losses, cache helpers): ``model(tokens, mask=..., input_pos=...)`` returns logits and runs
 student (inference) routing. Trainers additionally pass ``routing=RoutingContext(mode="teacher",
 beta_ce=..., beta_cu=...)`` and read each routed layer's :class:`LayerRouting` from it afterwards.
+
+Stock callers cannot pass a context, so each routed layer also keeps on-device counters of the tokens
+it saw and executed in student mode: :meth:`RoutedTransformerDecoder.executed_fractions` reads them
+after ``generate`` or an eval (``torchtune_dtf/recipes/routed_generate.py`` and ``routed_eval.py``
+print them), :meth:`RoutedTransformerDecoder.reset_routing_counters` starts a new measurement.
 """
 
-from typing import Dict, List, Optional, Union
+import math
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torchtune.modules import TransformerDecoder
 
+from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
 
 
@@ -98,3 +105,35 @@ class RoutedTransformerDecoder(TransformerDecoder):
     def layer_records(routing: RoutingContext) -> Dict[int, LayerRouting]:
         """Routed layers' records of one forward, in layer order."""
         return dict(sorted(routing.layers.items()))
+
+    # -- what the student executed, for callers that cannot pass a RoutingContext -----------------
+    def routed_layers(self) -> List[RoutedSelfAttentionLayer]:
+        """Routed layers in layer order, found through wrappers applied after the build (activation
+        checkpointing, compile, FSDP keep the layer as a submodule or subclass it)."""
+        layers = [module for module in self.modules() if isinstance(module, RoutedSelfAttentionLayer)]
+        return sorted(layers, key=lambda layer: layer.layer_idx)
+
+    def routing_counters(self) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+        """Per routed layer, ``(executed, seen)`` token counts of student-mode forwards since the last
+        reset, as 0-dim int64 tensors on the model's device (no host sync). What is counted (KV-cached
+        decoding, padding, which routing modes) is documented in
+        :meth:`~torchtune_dtf.modules.layers.RoutedSelfAttentionLayer.routing_counts`."""
+        return {layer.layer_idx: layer.routing_counts() for layer in self.routed_layers()}
+
+    def routing_token_counts(self) -> Dict[int, Tuple[int, int]]:
+        """:meth:`routing_counters` as Python ints ``{layer_idx: (executed, seen)}``, one host transfer."""
+        counters = self.routing_counters()
+        if not counters:
+            return {}
+        host = torch.stack([torch.stack(pair) for pair in counters.values()]).tolist()
+        return {idx: (executed, seen) for idx, (executed, seen) in zip(counters, host)}
+
+    def executed_fractions(self) -> Dict[int, float]:
+        """``{layer_idx: executed / seen}`` of student-mode forwards since the last reset; NaN for a layer
+        that has seen no token; empty for a model without routed layers (dense, layer dropping)."""
+        return {idx: executed / seen if seen else math.nan for idx, (executed, seen) in self.routing_token_counts().items()}
+
+    def reset_routing_counters(self) -> None:
+        """Zero every routed layer's counters (e.g. before the forwards to be measured)."""
+        for layer in self.routed_layers():
+            layer.reset_routing_counters()

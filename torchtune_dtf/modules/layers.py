@@ -151,6 +151,12 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         if student_routing_mode == "threshold":
             tau = student_threshold
             self._student_logit_threshold = -math.inf if tau == 0 else math.log(tau) - math.log1p(-tau)
+        # Student-mode counters (see :meth:`routing_counts`): registered empty and created on the first
+        # counted forward, on its device. A model built on the meta device (FSDP, benchmarks) then has
+        # nothing to materialise beyond what torchtune already handles (RoPE), and they never reach a
+        # checkpoint (non-persistent).
+        self.register_buffer("routed_tokens_seen", None, persistent=False)
+        self.register_buffer("routed_tokens_executed", None, persistent=False)
 
     # -- caches ---------------------------------------------------------------------------------
     def setup_caches(
@@ -176,6 +182,59 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
 
     def _active_cache(self) -> Optional[SelectiveKVCache]:
         return self.attn.kv_cache if (self.attn.kv_cache is not None and self.attn.cache_enabled) else None
+
+    # -- inference counters ---------------------------------------------------------------------
+    def routing_counts(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Tokens this layer executed and saw in student (inference) mode since the last reset.
+
+        What is counted, per student-mode forward of ``x [b, s, d]``: ``seen += b·s`` and ``executed +=``
+        the number of tokens whose block ran (the ``selected_mask [b, s]`` that forward records in its
+        :class:`RoutingContext`). With a KV cache that is the prefill's b·s tokens and then b tokens per
+        decode step (one per row, rows that already stopped included, as torchtune's ``generate`` keeps
+        decoding them). Padding is counted like any token: the layer cannot tell it apart (a left pad
+        looks like the start of a one-token sequence under torchtune's generation masks, a right pad like
+        an ordinary token, and an eval wrapper's filler rows are real tokens), and the block really runs
+        on a pad the student selects. Executed means the block ran on the token; with
+        ``skipped_tokens_write_kv`` a skipped token still computes its K/V, which is not counted.
+
+        Not counted: teacher-mode forwards (training, also with ``execute="student"``) and
+        ``RoutingContext(mode="dense")`` forwards (distillation teacher, dense references), so the
+        counters describe the deployed causal router only. Student-mode forwards during training
+        (validation, calibration) do count; reset before measuring. A student-mode forward recomputed
+        under activation checkpointing would count twice (training runs its gradient forwards in
+        teacher mode, so this does not arise there). Counts are per process (each data-parallel rank
+        counts its own rows).
+
+        The counters are updated on device without host synchronisation (no ``.item()`` per forward);
+        reading them as Python numbers (:meth:`RoutedTransformerDecoder.executed_fractions`) syncs once.
+
+        Returns:
+            Tuple[torch.Tensor, torch.Tensor]: (executed, seen), each a 0-dim int64 tensor on the layer's
+            device (the buffers themselves; zeros before any counted forward).
+        """
+        if self.routed_tokens_seen is None:
+            self._create_routing_counters(next(self.parameters()).device)
+        return self.routed_tokens_executed, self.routed_tokens_seen
+
+    def reset_routing_counters(self) -> None:
+        """Set both counters to zero (in place, no allocation)."""
+        if self.routed_tokens_seen is not None:
+            self.routed_tokens_seen.zero_()
+            self.routed_tokens_executed.zero_()
+
+    def _create_routing_counters(self, device: torch.device) -> None:
+        # inference_mode(False): created during torchtune's @inference_mode generate, an inference tensor
+        # could never again be updated in place outside inference mode (lm-eval's loglikelihood passes).
+        with torch.inference_mode(False):
+            self.routed_tokens_seen = torch.zeros((), dtype=torch.long, device=device)
+            self.routed_tokens_executed = torch.zeros((), dtype=torch.long, device=device)
+
+    def _count_student(self, selected: torch.Tensor) -> None:
+        """Add one student-mode forward to the counters. ``selected``: ``[b, s]`` bool, tokens that ran."""
+        if self.routed_tokens_seen is None:
+            self._create_routing_counters(selected.device)
+        self.routed_tokens_seen += selected.numel()  # a Python int: no device round trip
+        self.routed_tokens_executed += selected.sum()  # stays on device: no host sync per forward
 
     # -- decisions ------------------------------------------------------------------------------
     def num_selected(self, seq_len: int) -> int:
@@ -324,6 +383,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         if cache is not None:
             cache.last_input.copy_(x[:, -1].detach())
             cache.seen += seq_len
+        if routing.mode == "student":  # the deployed router only (see routing_counts)
+            self._count_student(selection.mask)
         record.selected_mask = selection.mask
         routing.layers[self.layer_idx] = record
         return out

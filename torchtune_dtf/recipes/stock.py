@@ -1,0 +1,85 @@
+"""Composition with torchtune's stock recipes, for the thin routed wrappers (``routed_generate.py``,
+``routed_eval.py``): load a stock recipe module as ``tune run <name>`` would run it, and report what the
+routed layers executed while it ran.
+
+torchtune's ``recipes/`` folder is not importable as a package (its ``__init__.py`` raises), so the
+module is loaded from the file ``tune run`` itself resolves (``<torchtune's parent>/recipes/<file>`` from
+torchtune's recipe registry). Each call loads a private copy: patching one of its globals (the eval
+wrapper's results hook) cannot leak into anyone else's.
+"""
+
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Dict, Tuple
+
+import torch
+import torchtune
+from torchtune._recipe_registry import get_all_recipes
+
+from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
+
+
+def stock_recipe_path(name: str) -> Path:
+    """Path of torchtune's built-in recipe ``name`` (e.g. ``"generate"``), the file ``tune run name`` runs."""
+    for recipe in get_all_recipes():
+        if recipe.name == name:
+            return Path(torchtune.__file__).parent.parent / "recipes" / recipe.file_path
+    raise ValueError(f"torchtune {torchtune.__version__} has no built-in recipe named {name!r}")
+
+
+def load_stock_recipe(name: str) -> ModuleType:
+    """A fresh module object of torchtune's recipe ``name`` (its ``__main__`` block does not run)."""
+    path = stock_recipe_path(name)
+    spec = importlib.util.spec_from_file_location(f"torchtune_dtf._stock_recipe_{name.replace('/', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reset_routing_counters(model: torch.nn.Module) -> None:
+    """Zero the routed layers' student counters; nothing to do for a model that does not route."""
+    if isinstance(model, RoutedTransformerDecoder):
+        model.reset_routing_counters()
+
+
+def routing_summary(model: torch.nn.Module, counted: str) -> Tuple[str, Dict[str, Any]]:
+    """What each routed layer executed since the last reset, as log lines and as a JSON-able dict.
+
+    Reads the counters once (one host transfer). The mean is over routed layers; every routed layer sees
+    the same tokens, so it is also the token-weighted mean.
+
+    Args:
+        model (torch.nn.Module): the model the stock recipe ran.
+        counted (str): which tokens the run fed through the model, said where the fractions are printed
+            (e.g. padding that the layers cannot tell apart from text).
+
+    Returns:
+        Tuple[str, Dict[str, Any]]: the text to log and ``{"executed_fraction": {layer: f},
+        "mean_executed_fraction", "executed_tokens": {layer: n}, "seen_tokens": {layer: n}, "counted"}``.
+    """
+    counts = model.routing_token_counts() if isinstance(model, RoutedTransformerDecoder) else {}
+    if not counts:
+        return "executed fraction per routed layer: none (this model has no routed layers)", {
+            "executed_fraction": {}, "mean_executed_fraction": None, "executed_tokens": {}, "seen_tokens": {},
+            "counted": counted,
+        }
+    fractions = {idx: executed / seen if seen else math.nan for idx, (executed, seen) in counts.items()}
+    mean = sum(fractions.values()) / len(fractions)
+    text = (
+        "executed fraction per routed layer: "
+        + ", ".join(f"{idx}: {fraction:.4f}" for idx, fraction in fractions.items())
+        + f"; mean {mean:.4f}\n"
+        + "executed/seen tokens per routed layer (student routing): "
+        + ", ".join(f"{idx}: {executed}/{seen}" for idx, (executed, seen) in counts.items())
+        + f"; counted: {counted}"
+    )
+    summary = {
+        "executed_fraction": fractions,
+        "mean_executed_fraction": mean,
+        "executed_tokens": {idx: executed for idx, (executed, _) in counts.items()},
+        "seen_tokens": {idx: seen for idx, (_, seen) in counts.items()},
+        "counted": counted,
+    }
+    return text, summary
