@@ -386,38 +386,7 @@ def train(study: Dict[str, Any], run: Dict[str, Any], seed: int) -> Dict[str, An
 
 
 # ------------------------------------------------------------------------------------------ training log
-def parse_disk_logs(log_dir: Path) -> Dict[int, Dict[str, float]]:
-    """Every ``Step N | key:value ...`` line of torchtune's DiskLogger files in ``log_dir``, merged by step.
-
-    Files are read oldest first (``log_<unix time>.txt``), so steps that a resumed run logged again take the
-    values of the attempt that finished."""
-
-    def order(path: Path):
-        stamp = path.stem.rsplit("_", 1)[-1]
-        return (int(stamp) if stamp.isdigit() else 0, path.name)
-
-    rows: Dict[int, Dict[str, float]] = {}
-    for path in sorted(Path(log_dir).glob("*.txt"), key=order):
-        for line in path.read_text(errors="replace").splitlines():
-            if not line.startswith("Step ") or " | " not in line:
-                continue
-            head, rest = line.split(" | ", 1)
-            try:
-                step = int(head.split()[1])
-            except (IndexError, ValueError):
-                continue
-            row = rows.setdefault(step, {})
-            for item in rest.split():
-                key, sep, value = item.rpartition(":")
-                if not sep:
-                    continue
-                try:
-                    row[key] = float(value)
-                except ValueError:
-                    continue
-    return dict(sorted(rows.items()))
-
-
+# (the DiskLogger files are read by torchtune_dtf.training.metric_logs.parse_disk_logs, shared with routing_plots)
 def _round(value: float, digits: int = 6) -> Optional[float]:
     if value is None or not math.isfinite(value):
         return None
@@ -628,6 +597,8 @@ def dumps_result(result: Dict[str, Any]) -> str:
 
 def run_one(study: Dict[str, Any], run: Dict[str, Any], seed: int) -> Path:
     from omegaconf import OmegaConf
+
+    from torchtune_dtf.training.metric_logs import parse_disk_logs
 
     rid = run_id(run["name"], seed)
     result_path = Path(study["out_dir"]) / "runs" / f"{rid}.json"

@@ -9,6 +9,8 @@
 #     data, steps and seed;
 #  4. evaluate the STT student with `tune run eleuther_eval` on held-out text and the multiple-choice task;
 #  5. print a report: held-out loss of dense vs STT student, executed fraction per layer, agreement.
+#  6. draw the STT run's pictures into quickstart_work/stt/plots/ (curves, executed fraction per layer, which
+#     tokens each routed layer ran on a held-out passage, CE/CU shares, teacher–student agreement).
 #
 # QUICKSTART_STEPS (default 40) sets the number of optimizer steps of each fine-tune.
 set -euo pipefail
@@ -21,7 +23,7 @@ start=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - start )) s] $*"; }
 
 stamp "setting up .venv"
-bash scripts/setup_env.sh eval,quickstart
+bash scripts/setup_env.sh eval,quickstart,experiments  # experiments: matplotlib, for the plots
 PY=.venv/bin/python
 TUNE="$PWD/.venv/bin/tune"
 REPO="$PWD"
@@ -45,11 +47,13 @@ if [ ! -f "$WORK/corpus/heldout.jsonl" ]; then
 fi
 "$PY" -m torchtune_dtf.data.lm_eval_offline --workdir "$WORK" >/dev/null  # the `gpt2` name the eval wrapper asks for
 
+# Validate about four times per run (it does not change the training), so the plotted validation curves have a shape.
+VAL_EVERY=$(( STEPS >= 4 ? STEPS / 4 : 1 ))
 for variant in stt dense; do
     stamp "fine-tuning $variant for $STEPS steps"
     rm -rf "$WORK/$variant"
     "$TUNE" run torchtune_dtf/recipes/routed_finetune.py --config "configs/quickstart/${variant}_smollm2.yaml" \
-        max_steps_per_epoch="$STEPS" save_every_n_steps="$STEPS" validation.every_n_steps="$STEPS"
+        max_steps_per_epoch="$STEPS" save_every_n_steps="$STEPS" validation.every_n_steps="$VAL_EVERY"
 done
 
 stamp "evaluating the STT student with tune run eleuther_eval"
@@ -61,4 +65,10 @@ stamp "report"
     --dense configs/quickstart/dense_smollm2.yaml "$WORK/dense/epoch_0" \
     --routed configs/quickstart/stt_smollm2.yaml "$WORK/stt/epoch_0" \
     --heldout "$WORK/corpus/heldout.jsonl" --windows 16 --seq-len 256 --json "$WORK/report.json"
+
+stamp "plots of the STT run"
+# The config the recipe saved carries the run's overrides; the PNGs go to $WORK/stt/plots. The heat map's passage
+# starts 300 tokens into the held-out text: past the title page of its first work (Milton's L'Allegro), in the verse.
+"$PY" -m torchtune_dtf.training.routing_plots --config "$WORK/stt/torchtune_config.yaml" \
+    --heldout "$WORK/corpus/heldout.jsonl" --passage-start 300
 stamp "done"

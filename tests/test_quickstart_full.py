@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from torchtune_dtf.models import validate_routing
+from torchtune_dtf.training.routing_plots import PLOTS
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = ("variant", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "embed_dim", "intermediate_dim",
@@ -43,3 +44,6 @@ def test_quickstart_runs_and_reports():
     eval_log = (work / "eval_stt.log").read_text()
     assert "heldout_next_sentence" in eval_log and "acc" in eval_log
     assert "Held-out LM loss per token" in proc.stdout
+    # The STT run's pictures (routing_plots), each a PNG.
+    for name in PLOTS:
+        assert (work / "stt" / "plots" / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), name

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_recipe import train_assets  # noqa: F401,E402  (session fixture)
+from torchtune_dtf.training.metric_logs import parse_disk_logs
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY_PY = REPO / "experiments" / "study.py"
@@ -282,7 +283,7 @@ def test_aggregate_statistics_and_log_parsing(tmp_path):
     (logs / "log_100.txt").write_text("Step 1 | loss/lm:2.0 tokens:10 \nStep 2 | loss/lm:1.9 tokens:10 \n"
                                       "Step 2 | val/lm_loss_student:2.5 \nStep 3 | loss/lm:9.9 tokens:10 \n")
     (logs / "log_200.txt").write_text("Step 3 | loss/lm:1.8 tokens:12 routing/layer_1/selected_fraction:0.5 \n")
-    rows = study.parse_disk_logs(logs)
+    rows = parse_disk_logs(logs)
     assert rows == {1: {"loss/lm": 2.0, "tokens": 10.0}, 2: {"loss/lm": 1.9, "tokens": 10.0, "val/lm_loss_student": 2.5},
                     3: {"loss/lm": 1.8, "tokens": 12.0, "routing/layer_1/selected_fraction": 0.5}}
     curves = study.curves_from_log(rows)

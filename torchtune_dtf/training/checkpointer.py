@@ -53,7 +53,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torchtune import config, training, utils
 from torchtune.modules.peft import get_adapter_params, get_adapter_state_dict
-from torchtune.training.checkpointing._utils import RECIPE_STATE_DIRNAME
+from torchtune.training.checkpointing._utils import RECIPE_STATE_DIRNAME, SAFETENSOR_INDEX_FNAME, TORCH_INDEX_FNAME
 
 from torchtune_dtf.modules import ROUTING_MODULE_NAMES, is_routing_key
 
@@ -197,6 +197,37 @@ def check_safetensors_complete(path: Path) -> None:
         raise ValueError(f"{path} is truncated: {size} bytes, its header needs {8 + header_len + end}")
 
 
+def hf_weight_files(folder: Path) -> List[str]:
+    """The model weight files of an HF checkpoint folder, as ``checkpoint_files`` names them.
+
+    A sharded checkpoint names its shards in its index (``model.safetensors.index.json`` or
+    ``pytorch_model.bin.index.json``; ``tune download`` leaves one, and every save of this checkpointer writes one
+    beside its ``model-0000i-of-0000n`` shards); an unsharded stock checkpoint is ``model.safetensors`` (or
+    ``pytorch_model.bin``); shards without an index are taken in name order. The index comes first because a
+    folder may hold more ``*.safetensors`` files than the model's (``routing.safetensors``, adapters).
+
+    Raises:
+        ValueError: naming the folder, when it holds none of these.
+    """
+    for index in (SAFETENSOR_INDEX_FNAME, TORCH_INDEX_FNAME):
+        if (folder / index).is_file():
+            try:
+                return sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as err:
+                raise ValueError(f"Cannot read the shard index {folder / index}: {err!r}") from err
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            return [single]
+    for pattern in ("model-*.safetensors", "model-*.bin"):
+        shards = sorted(path.name for path in folder.glob(pattern))
+        if shards:
+            return shards
+    raise ValueError(
+        f"{folder} holds no model weights: no {SAFETENSOR_INDEX_FNAME} or {TORCH_INDEX_FNAME}, no model.safetensors or "
+        "pytorch_model.bin, no model-*.safetensors shards (is it an HF checkpoint folder or an epoch_N folder?)"
+    )
+
+
 def recover_interrupted_save(output_dir: Path) -> None:
     """Undo what a killed save left: its staging folder, and a previous ``epoch_N`` moved aside (put back
     when the new one never arrived, deleted when it did). Concurrent ranks may race here; both outcomes agree."""
@@ -321,10 +352,11 @@ class RoutedHFCheckpointer:
             if self._lora_shapes:
                 adapter_checkpoint = f"{name}/adapter_model.pt"
             else:
-                files = sorted(self._resume_folder.glob("model-*.safetensors")) or sorted(self._resume_folder.glob("model-*.bin"))
-                if not files:
-                    raise ValueError(f"Asked to resume, but {self._resume_folder} holds no model weight files")
-                checkpoint_files = [f"{name}/{f.name}" for f in files]
+                try:
+                    files = hf_weight_files(self._resume_folder)
+                except ValueError as err:
+                    raise ValueError(f"Asked to resume, but {err}") from err
+                checkpoint_files = [f"{name}/{f}" for f in files]
         self._base = training.FullModelHFCheckpointer(
             checkpoint_dir=checkpoint_dir,
             checkpoint_files=checkpoint_files,

@@ -3,7 +3,13 @@
     python -m torchtune_dtf.training.routing_report \
         --dense configs/quickstart/dense_smollm2.yaml quickstart_work/dense/epoch_0 \
         --routed configs/quickstart/stt_smollm2.yaml quickstart_work/stt/epoch_0 \
-        --heldout quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256
+        --heldout quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256 [key=value ...]
+
+Config overrides follow the options as ``tune run`` takes them (``key=value``, ``~key``; torchtune's own merge) and
+apply to the routed config, e.g. ``model.student_threshold=0.3``; prefixed with ``dense.`` they apply to the dense
+config instead (``dense.tokenizer.max_seq_len=512``). A CHECKPOINT_DIR is an ``epoch_N`` folder the recipe saved or
+a stock HF checkpoint folder (the base model before fine-tuning; a routed config then starts its routers from the
+checkpointer's ``routing_init_seed``, as training does).
 
 For each model it reports the held-out LM loss (per token, on the same fixed windows of the concatenated
 held-out documents). For the routed model it reports the loss of the student (causal routing, what is
@@ -17,16 +23,54 @@ another's, and the share of teacher-selected tokens in the first half of each wi
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training
+from torchtune.config._utils import _merge_yaml_and_cli_args
 
 from torchtune_dtf.modules.routing_context import RoutingContext
+from torchtune_dtf.training.checkpointer import hf_weight_files
 from torchtune_dtf.training.routing_losses import routing_metrics
+
+#: Overrides with this prefix go to the dense config of ``main``; the others to the routed config.
+DENSE_PREFIX = "dense."
+
+
+def load_config(path: Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """The YAML config at ``path`` with ``key=value`` / ``~key`` overrides applied exactly as ``tune run`` applies
+    them (torchtune's own merge: ``model=builder`` sets ``model._component_``, ``None`` is null)."""
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    return _merge_yaml_and_cli_args(argparse.Namespace(**raw), list(overrides))
+
+
+def split_overrides(overrides: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(routed, dense) overrides: ``dense.key=value`` and ``~dense.key`` go to the dense config, without the prefix."""
+    routed, dense = [], []
+    for arg in overrides:
+        removal = arg.startswith("~")
+        body = arg[1:] if removal else arg
+        if body.startswith(DENSE_PREFIX):
+            dense.append(("~" if removal else "") + body[len(DENSE_PREFIX):])
+        else:
+            routed.append(arg)
+    return routed, dense
+
+
+def command_line_overrides(
+    parser: argparse.ArgumentParser, argv: Optional[List[str]]
+) -> Tuple[argparse.Namespace, List[str]]:
+    """The parsed options and the ``key=value`` overrides among the arguments, as ``tune run`` separates them: every
+    argument that is not an option is an override, and an unknown option is an error (not a silent override)."""
+    args, rest = parser.parse_known_args(argv)
+    unknown = [arg for arg in rest if arg.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are key=value)")
+    return args, rest
 
 
 def heldout_windows(tokenizer, heldout_file: Path, seq_len: int, num_windows: int) -> torch.Tensor:
@@ -43,15 +87,22 @@ def heldout_windows(tokenizer, heldout_file: Path, seq_len: int, num_windows: in
 
 
 def load_trained(cfg: DictConfig, checkpoint_dir: Path) -> torch.nn.Module:
-    """The config's model with the weights saved in ``checkpoint_dir`` (an ``epoch_N`` folder)."""
-    files = sorted(p.name for p in checkpoint_dir.glob("model-*.safetensors"))
-    if not files:
-        raise ValueError(f"{checkpoint_dir} holds no model-*.safetensors files")
-    ckpt_cfg = OmegaConf.merge(cfg.checkpointer, {"checkpoint_dir": str(checkpoint_dir), "checkpoint_files": files})
-    ckpt_cfg.output_dir = str(checkpoint_dir.parent / "report")
+    """The config's model with the weights in ``checkpoint_dir``: an ``epoch_N`` folder the recipe saved, or a
+    stock HF checkpoint folder (its weight files are found as the checkpointer finds them: shard index first).
+
+    A stock folder is a base model that was never routed: the config's checkpointer then initialises the routing
+    weights from its ``routing_init_seed`` (what training starts from). Loading writes nothing: the checkpointer's
+    ``output_dir`` is a temporary folder, not one beside a checkpoint the user may not own."""
+    checkpoint_dir = Path(checkpoint_dir)
+    ckpt_cfg = OmegaConf.merge(
+        cfg.checkpointer, {"checkpoint_dir": str(checkpoint_dir), "checkpoint_files": hf_weight_files(checkpoint_dir)}
+    )
+    with tempfile.TemporaryDirectory() as out:
+        ckpt_cfg.output_dir = out
+        state = config.instantiate(ckpt_cfg).load_checkpoint()[training.MODEL_KEY]
     with training.set_default_dtype(torch.float32):
         model = config.instantiate(cfg.model)
-    model.load_state_dict(config.instantiate(ckpt_cfg).load_checkpoint()[training.MODEL_KEY], strict=True)
+    model.load_state_dict(state, strict=True)
     return model.eval()
 
 
@@ -87,7 +138,11 @@ def layer_report(model, windows: torch.Tensor, beta_ce: float, beta_cu: float, b
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
-    parser = argparse.ArgumentParser(prog="python -m torchtune_dtf.training.routing_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtune_dtf.training.routing_report", description=__doc__.split("\n\n")[0],
+        epilog="Other key=value (~key) arguments override the routed config as tune run does; "
+               "dense.key=value the dense one.",
+    )
     parser.add_argument("--dense", nargs=2, metavar=("CONFIG", "CHECKPOINT_DIR"), required=True)
     parser.add_argument("--routed", nargs=2, metavar=("CONFIG", "CHECKPOINT_DIR"), required=True)
     parser.add_argument("--heldout", type=Path, required=True, help="JSONL with a 'text' field")
@@ -95,10 +150,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--json", type=Path, help="also write the report here")
-    parser.add_argument("--meta", nargs="*", default=[], metavar="KEY=VALUE", help="extra fields for the JSON")
-    args = parser.parse_args(argv)
+    # --meta takes every KEY=VALUE after it, config overrides included: give the overrides before it.
+    parser.add_argument("--meta", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="extra fields for the JSON (takes every KEY=VALUE after it: put config overrides before)")
+    args, overrides = command_line_overrides(parser, argv)
 
-    dense_cfg, routed_cfg = OmegaConf.load(args.dense[0]), OmegaConf.load(args.routed[0])
+    routed_overrides, dense_overrides = split_overrides(overrides)
+    dense_cfg, routed_cfg = load_config(args.dense[0], dense_overrides), load_config(args.routed[0], routed_overrides)
     windows = heldout_windows(config.instantiate(routed_cfg.tokenizer), args.heldout, args.seq_len, args.windows)
     dense = load_trained(dense_cfg, Path(args.dense[1]))
     routed = load_trained(routed_cfg, Path(args.routed[1]))
