@@ -206,6 +206,32 @@ def test_meta_model_loads_with_assign(variant, hf_dir, tmp_path, tokens):
 
 
 # ------------------------------------------------------------------------------------------ saving
+@pytest.mark.parametrize("saved_dtype", [torch.float32, torch.bfloat16])
+def test_saved_config_json_states_the_saved_dtype(saved_dtype, tmp_path):
+    """A bf16 release trained in fp32 saves fp32 weights: its config.json must say float32 (the base
+    checkpointer copies the release's "bfloat16"), and transformers must then load them as what they are."""
+    hf_path = tmp_path / "hf"
+    write_hf_dir(hf_path, dtype=torch.bfloat16)
+    release = json.loads((hf_path / "config.json").read_text())
+    dtype_keys = [k for k in ("torch_dtype", "dtype") if k in release]
+    assert dtype_keys and all(release[k] == "bfloat16" for k in dtype_keys)
+    cfg = model_config("stt")
+    ckpt = checkpointer(hf_path, tmp_path / "out", cfg)
+    state = ckpt.load_checkpoint()[training.MODEL_KEY]
+    ckpt.save_checkpoint({training.MODEL_KEY: {k: v.to(saved_dtype) for k, v in state.items()}}, epoch=0)
+
+    saved = tmp_path / "out" / "epoch_0"
+    name = str(saved_dtype).removeprefix("torch.")
+    written = json.loads((saved / "config.json").read_text())
+    assert {k: written[k] for k in dtype_keys} == {k: name for k in dtype_keys}
+    assert {k: v for k, v in written.items() if k not in dtype_keys} == {k: v for k, v in release.items() if k not in dtype_keys}
+    assert {t.dtype for t in load_file(saved / weight_files(saved)[0]).values()} == {saved_dtype}
+    assert transformers.AutoConfig.from_pretrained(saved).dtype == saved_dtype
+    # The manifest lists config.json at its rewritten size: the folder loads (verify_files) as it is.
+    reloaded = checkpointer(saved, tmp_path / "out2", cfg).load_checkpoint()[training.MODEL_KEY]
+    assert {v.dtype for v in reloaded.values()} == {saved_dtype}
+
+
 def trained_like(model):
     """Perturb every parameter so saved weights differ from the loaded ones."""
     with torch.no_grad():

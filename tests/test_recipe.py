@@ -345,3 +345,124 @@ def test_validation_refuses_a_noncausal_topk_student_before_training(workdir):
     with pytest.raises(ValueError, match=r"routed layers \[1, 3\].*not causal.*allow_noncausal_student_topk"):
         recipe.setup(cfg)
     assert recipe.global_step == 0
+
+
+# ------------------------------------------------------------------------------------ own text (README)
+def readme_own_text_commands():
+    """``{config: overrides}`` of every ``tune run`` command in the README's "Your own text" section."""
+    import re
+    import shlex
+
+    section = (REPO / "README.md").read_text().split("### Your own text", 1)[1].split("\n### ", 1)[0]
+    commands = [shlex.split(block.replace("\\\n", " ")) for block in re.findall(r"```\n(.*?)```", section, re.S)
+                if "tune run" in block]
+    return {command[command.index("--config") + 1]: command[command.index("--config") + 2:] for command in commands}
+
+
+def test_readme_own_text_overrides(workdir):
+    from torchtune_dtf.recipes.routed_finetune import merge_overrides
+
+    commands = readme_own_text_commands()
+    # One command for configs whose dataset is one component, one for the 0.5B configs' mixture (a list).
+    assert sorted(commands) == ["configs/quickstart/stt_smollm2.yaml", "configs/stt_qwen0_5b.yaml"]
+    shipped = {name: OmegaConf.to_container(OmegaConf.load(REPO / name)) for name in commands}
+    assert isinstance(shipped["configs/stt_qwen0_5b.yaml"]["dataset"], list)
+    # What the issue ran into fails with a message that names the fix.
+    with pytest.raises(ValueError, match=r"`dataset` is a list.*'~dataset' dataset._component_="):
+        merge_overrides(shipped["configs/stt_qwen0_5b.yaml"],
+                        ["dataset=torchtune.datasets.text_completion_dataset", "dataset.source=json"])
+
+    own = {"my_train.jsonl": [f"Own training document {i} talks about lighthouses and tides." for i in range(12)],
+           "my_val.jsonl": [f"Held-out document {i} mentions volcanoes." for i in range(6)]}
+    for name, texts in own.items():
+        (workdir / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    for name, overrides in commands.items():
+        merged = merge_overrides(shipped[name], overrides)  # exactly as `tune run` merges them
+        validate_recipe_config(merged)
+        for key, data_file in (("dataset", "my_train.jsonl"), ("dataset_val", "my_val.jsonl")):
+            section = OmegaConf.to_container(merged[key])
+            assert section["_component_"] == "torchtune.datasets.text_completion_dataset", (name, key)
+            assert (section["source"], section["data_files"], section.get("column", "text")) == ("json", data_file, "text")
+            assert "name" not in section and section.get("split", "train") == "train", (name, key, section)
+        # The data those sections describe, set up by the recipe with the tiny model and tokenizer.
+        cfg = load_config("stt_train", max_steps_per_epoch=2)
+        cfg.dataset, cfg.dataset_val = merged.dataset, merged.dataset_val
+        recipe = RoutedFinetuneRecipe(cfg)
+        recipe.setup(cfg)
+        for loader, texts in ((recipe._dataloader, own["my_train.jsonl"]), (recipe._val_dataloader, own["my_val.jsonl"])):
+            assert len(loader.dataset) >= 1
+            batch = next(iter(loader))
+            decoded = recipe._tokenizer.decode([t for t in batch["tokens"].flatten().tolist() if t != recipe._tokenizer.pad_id])
+            assert any(t[:20] in decoded for t in texts) and "river" not in decoded, decoded[:200]
+
+
+# ------------------------------------------------------------------------------------ run summary
+def test_short_run_logs_its_last_step_and_a_summary(workdir, caplog):
+    """log_every_n_steps 10 on a 3-step run: the metric log still holds step 3 and the summary; the summary's
+    executed fractions are those of the *saved* (calibrated) student on the first validation batch."""
+    from torchtune_dtf.training.calibration import batch_for_calibration
+
+    cfg = load_config("stt_train", max_steps_per_epoch=3, gradient_accumulation_steps=1, log_every_n_steps=10,
+                      save_every_n_steps=1000, **{"validation.every_n_steps": 2})
+    with caplog.at_level("INFO"):
+        recipe = run_recipe(cfg)
+    log = read_log(workdir)
+    assert sorted(log) == [2, 3]
+    assert "loss/lm" in log[3] and "loss/lm" not in log[2]  # step 2 carries validation only
+    summary = recipe.summary
+    assert (summary["steps"], summary["global_step"], summary["total_steps"]) == (3, 3, 3)
+    assert summary["train_lm_loss"] == pytest.approx(log[3]["loss/lm"])
+    # The one training log line carries every token of the run.
+    assert summary["tokens"] == log[3]["tokens"] == log[3]["summary/tokens"] > 0
+    assert summary["val_step"] == 2
+    assert summary["val_lm_loss_student"] == pytest.approx(log[2]["val/lm_loss_student"])
+    assert summary["val_lm_loss_teacher"] == pytest.approx(log[2]["val/lm_loss_teacher"])
+    assert summary["wall_s"] > 0 and summary["tokens_per_second"] == pytest.approx(summary["tokens"] / summary["wall_s"])
+    assert summary["output_dir"] == os.path.join("./outputs", "epoch_0")
+
+    # Recompute from the saved checkpoint: a fresh model, a student forward on the first validation batch.
+    saved = load_config("stt_train", **{"checkpointer.checkpoint_dir": "./outputs/epoch_0",
+                                        "checkpointer.checkpoint_files": ["model-00001-of-00001.safetensors"]})
+    model = tt_config.instantiate(saved.model)
+    model.load_state_dict(tt_config.instantiate(saved.checkpointer).load_checkpoint()["model"], strict=True)
+    loader = recipe._val_dataloader
+    batch = batch_for_calibration(loader.collate_fn([loader.dataset[i] for i in range(loader.batch_size)]), -100)
+    routing = RoutingContext(mode="student")
+    with torch.no_grad():
+        model.eval()(batch["tokens"], routing=routing)
+    expected = {i: float((r.selected_mask & batch["valid"]).sum() / batch["valid"].sum()) for i, r in routing.layers.items()}
+    assert sorted(summary["executed_fraction"]) == [1, 3]
+    assert summary["executed_fraction"] == pytest.approx(expected)
+    assert {i: log[3][f"summary/layer_{i}/student_executed"] for i in (1, 3)} == pytest.approx(expected)
+
+    text = caplog.text
+    assert text.count("Run summary:") == 1
+    assert "validation LM loss at step 2 (before student calibration)" in text
+    assert "output: ./outputs/epoch_0" in text and "layer 1 " in text and "layer 3 " in text
+
+
+def test_quiet_filters_drop_exactly_their_messages(caplog):
+    """torchtune_dtf/_quiet.py: the named dependency messages go, their neighbours stay."""
+    import logging
+    import warnings
+
+    import torchtune_dtf  # noqa: F401  (installs the filters)
+
+    with caplog.at_level(logging.WARNING):
+        torchao = logging.getLogger("torchao")
+        torchao.warning("Skipping import of cpp extensions due to incompatible torch version 2.13.0+cpu for torchao ...")
+        torchao.warning("Skipping import of cpp extensions due to TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1")
+        hf_config = logging.getLogger("transformers.configuration_utils")
+        hf_config.warning("`torch_dtype` is deprecated! Use `dtype` instead!")
+        hf_config.warning("Some other configuration warning")
+    assert [r.getMessage() for r in caplog.records] == [
+        "Skipping import of cpp extensions due to TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1",
+        "Some other configuration warning",
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        from torchtune_dtf import _quiet
+
+        _quiet.install()  # pytest's collection ran in a catch_warnings() of its own, which took the filter away
+        for module in ("torchdata.stateful_dataloader.stateful_dataloader", "user_code"):
+            warnings.warn_explicit("'set_vital' is deprecated, please do not call", UserWarning, "x.py", 1, module=module)
+    assert [w.filename for w in caught] == ["x.py"] and len(caught) == 1

@@ -31,7 +31,8 @@ last one <|endoftext|>) a vector of norm ``10 * 2**k`` at angle ``45° * k``. Ea
 is then the next one in the chain (longer and 45° away beats itself and anything >= 90° away), and
 <|endoftext|> maps to itself. <|im_end|> stays ordinary, so a prompt that ends with it (torchtune's
 Qwen2.5 tokenizer closes the empty assistant turn of the generate recipe's prompt with <|im_end|>)
-starts the chain too.
+starts the chain too; the generate configs' base-model tokenizer gives the plain prompt, whose last token
+is ordinary as well.
 """
 
 import json
@@ -324,6 +325,29 @@ def test_bpe_split_recovers_merges():
         ranks_to_merges(bad)
 
 
+def test_gpt2_standin_command_is_quiet_and_writes_the_ignored_folder(tmp_path):
+    """The README's one command writes ./gpt2 (git-ignored in the repository root) and prints one line: not
+    the ≈ 680 KB of "vocabulary contains holes" tokenizers used to print, nor torchao's import message."""
+    env = dict(os.environ, **OFFLINE_ENV, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-m", "torchtune_dtf.data.lm_eval_offline"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "" and proc.stdout.count("\n") == 1 and proc.stdout.startswith("gpt2 stand-in: gpt2"), (
+        proc.stdout[:500] + proc.stderr[:500])
+    from transformers import AutoTokenizer
+
+    from torchtune_dtf.data.lm_eval_offline import GPT2_EOT_ID, is_standin
+
+    assert is_standin(tmp_path / "gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "gpt2")
+    # Byte-level ids as GPT-2's, <|endoftext|> = 50256 (lm-eval's prefix token), no placeholder reachable.
+    assert tokenizer("Ab é")["input_ids"] == [32, 65, 220, 127, 102] and tokenizer.eos_token_id == GPT2_EOT_ID
+    assert len(tokenizer) == GPT2_EOT_ID + 1
+    ignored = subprocess.run(["git", "check-ignore", "-q", "gpt2/config.json"], cwd=REPO)
+    assert ignored.returncode == 0, "gpt2/ in the repository root is not git-ignored"
+
+
 def test_gpt2_standin_never_replaces_a_real_download(tmp_path):
     from torchtune_dtf.data.lm_eval_offline import STANDIN_REVISION, is_standin, seed_hf_cache
 
@@ -507,13 +531,40 @@ def test_tune_run_generate(workdir):
     proc = run_tune(workdir, "generate", "--config", str(CONFIGS / "generate_stt.yaml"))
     out = _output(proc)
     assert proc.returncode == 0, out[-5000:]
-    # The recipe logs the decoded prompt + completion, special tokens included. torchtune 0.6.1's Qwen2.5
-    # tokenizer ends the prompt with <|im_end|> (it closes the empty assistant turn even for inference).
-    assert "What do routed tokens save?" in out
-    completion = r"<\|im_start\|>assistant\n(<\|im_end\|>)?" + re.escape(CHAIN_TEXT) + r"<\|endoftext\|>\n"
+    # The recipe logs the decoded prompt + completion, special tokens included: the plain prompt (the config's
+    # base-model tokenizer adds no chat markup) and the planted continuation.
+    completion = re.escape("What do routed tokens save?" + CHAIN_TEXT) + r"<\|endoftext\|>\n"
     assert re.search(completion, out), out[-3000:]
+    assert "<|im_start|>" not in out and "<|im_end|>" not in out
     assert "Time for inference" in out
     assert "huggingface.co" not in out
+
+
+GENERATE_CONFIGS = sorted((REPO / "configs" / "generate").glob("*.yaml")) + [CONFIGS / "generate_stt.yaml"]
+
+
+@pytest.mark.parametrize("path", GENERATE_CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_generate_configs_feed_a_base_model_plain_text(path, qwen_tokenizer_dir, qwen_tokenizer):
+    """The tokens torchtune's stock generate recipe gives the model for the prompt "Hello", with each shipped
+    generate config's tokenizer: exactly the tokens of "Hello", no ChatML markup (torchtune's own Qwen2.5
+    tokenizer wraps it in <|im_start|>user … <|im_start|>assistant whatever prompt_template says)."""
+    from torchtune import config
+
+    recipe_cls = _stock_recipe_module("generate").InferenceRecipe
+    cfg = OmegaConf.load(path)
+    assert cfg.tokenizer.get("prompt_template") is None
+    cfg.tokenizer.path = str(qwen_tokenizer_dir / "vocab.json")
+    cfg.tokenizer.merges_file = str(qwen_tokenizer_dir / "merges.txt")
+    recipe = recipe_cls.__new__(recipe_cls)  # only the tokenizer is needed to build the prompt
+    recipe._tokenizer = config.instantiate(cfg.tokenizer)
+    hello = qwen_tokenizer.encode("Hello", add_bos=False, add_eos=False)
+    assert recipe.convert_prompt_to_tokens({"system": None, "user": "Hello"}) == hello == [9707]
+    # The stock tokenizer, for contrast: what the configs used to feed the model.
+    recipe._tokenizer = qwen_tokenizer
+    stock = recipe.convert_prompt_to_tokens({"system": None, "user": "Hello"})
+    assert stock[0] == qwen_tokenizer.special_tokens["<|im_start|>"] and stock != hello
+    # Generation still stops where the stock tokenizer stops.
+    assert config.instantiate(cfg.tokenizer).stop_tokens == qwen_tokenizer.stop_tokens
 
 
 def _metric(table: str, task: str, metric: str) -> float:

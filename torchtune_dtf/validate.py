@@ -2,7 +2,7 @@
 
     python -m torchtune_dtf.validate configs/stt_qwen0_5b.yaml [key=value ...]
 
-Overrides are torchtune's ``key=value`` form (``device=cpu``, ``resume_from_checkpoint=True``). It runs the
+Overrides are merged as ``tune run`` merges them (``device=cpu``, ``resume_from_checkpoint=True``, ``~key``). It runs the
 recipe's constructor and ``setup``: every required key and value, the model build (activation checkpointing,
 LoRA, compile as configured), the checkpoint load (config.json, weights, routing sidecar), tokenizer, data
 files and their rows, the number of steps, and with ``resume_from_checkpoint`` every resume check (finished
@@ -18,7 +18,7 @@ from typing import List, Optional
 from omegaconf import OmegaConf
 from torchtune.config._utils import _get_component_from_path
 
-from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe
+from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe, merge_overrides
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -27,7 +27,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as for tune run")
     args = parser.parse_args(argv)
     try:
-        cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
+        # tune run's own merge, so that every override the README shows checks here as the recipe will see it.
+        cfg = merge_overrides(OmegaConf.to_container(OmegaConf.load(args.config), resolve=False), args.overrides)
         OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
         if "metric_logger" in cfg:
             _get_component_from_path(cfg.metric_logger._component_)  # the configured logger exists

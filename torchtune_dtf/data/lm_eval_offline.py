@@ -7,12 +7,13 @@ the torchtune ones. The GPT-2 model and tokenizer are never used for scoring or 
 Offline, anything named ``gpt2`` that transformers can load gets through. This module writes a
 minimal one: a 1-layer, 4-wide random GPT-2 (GPT-2's 50,257-row embedding, ~0.2 M parameters, 0.8 MB)
 with a byte-level tokenizer that keeps GPT-2's ids for the 256 bytes and ``<|endoftext|>`` = 50256 and
-has no merges. Two ways to make the name resolve:
+has no merges (ids 256–50255 hold placeholders that no text can produce). Two ways to make the name resolve:
 
 1. a directory named ``gpt2`` in the working directory of ``tune run`` (transformers treats an
-   existing local path as a model directory and never contacts the hub)::
+   existing local path as a model directory and never contacts the hub); the default, git-ignored in the
+   repository root, from where the README runs every command::
 
-       python -m torchtune_dtf.data.lm_eval_offline --workdir .     # writes ./gpt2/
+       python -m torchtune_dtf.data.lm_eval_offline       # writes ./gpt2/ (--workdir DIR: DIR/gpt2/)
        tune run eleuther_eval --config ...
 
 2. a pre-seeded Hugging Face cache with the hub switched off (nothing in the working directory)::
@@ -96,6 +97,11 @@ def write_gpt2_standin(directory: PathLike) -> Path:
     eot = "<|endoftext|>"
     byte_encoder = bytes_to_unicode()
     vocab = {char: i for i, char in enumerate(byte_encoder.values())}
+    # Every id below <|endoftext|> gets an entry: for each save of a vocabulary with gaps, tokenizers prints
+    # "The OrderedVocab you are attempting to save contains holes for indices [256, …, 50255]" (≈ 340 KB, a Rust
+    # println! to stdout, out of reach of any Python logging or warnings filter). Without merges BPE never
+    # builds a multi-character token, so these placeholders are unreachable: text still encodes to bytes only.
+    vocab.update({f"<unused_{i}>": i for i in range(len(vocab), GPT2_EOT_ID)})
     vocab[eot] = GPT2_EOT_ID
     (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     (directory / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
@@ -160,11 +166,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         description="Write the offline `gpt2` stand-in that torchtune's eleuther_eval recipe needs "
         "(its eval wrapper constructs lm-eval's HFLM with pretrained='gpt2').",
     )
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--workdir", help="write WORKDIR/gpt2; run `tune run eleuther_eval` from WORKDIR")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--workdir", default=".", help="write WORKDIR/gpt2 (default: ./gpt2, git-ignored in the "
+                       "repository root); run `tune run eleuther_eval` from WORKDIR")
     where.add_argument("--hf-home", help="seed the HF cache of HF_HOME=HF_HOME; run with HF_HUB_OFFLINE=1")
     args = parser.parse_args(argv)
-    if args.workdir:
+    if not args.hf_home:
         path = write_gpt2_standin_in_workdir(args.workdir)
         print(f"gpt2 stand-in: {path}  (run `tune run eleuther_eval ...` from {Path(args.workdir).resolve()})")
     else:

@@ -35,6 +35,8 @@ raise ``epochs`` or ``max_steps_per_epoch`` and set ``resume_from_checkpoint: ex
 schedules are then recomputed over the new length).
 """
 
+import argparse
+import copy
 import functools
 import math
 import os
@@ -51,7 +53,8 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
-from torchtune.config._utils import _get_component_from_path
+from torchtune.config._parse import TuneRecipeArgumentParser
+from torchtune.config._utils import _get_component_from_path, _merge_yaml_and_cli_args
 from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params, get_merged_lora_ckpt, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
@@ -321,7 +324,9 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
     def setup(self, cfg: DictConfig) -> None:
         if self._is_rank_zero:
             self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
+            self._metric_logger.log_config(cfg)  # torchtune's loggers save it as output_dir/torchtune_config.yaml
+            log.info(f"{self._variant} model, config saved to {os.path.join(cfg.output_dir, 'torchtune_config.yaml')}"
+                     " (print_config=True also prints it)")
         self._checkpointer = config.instantiate(cfg.checkpointer, should_load_recipe_state=self._resume_from_checkpoint)
         checkpoint = self._checkpointer.load_checkpoint()
         self._fingerprint = resume_fingerprint(cfg, self.world_size)
@@ -643,6 +648,9 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         num_tokens = 0
         tokens_since_log = 0  # the `tokens` metric: summed over the log lines, the run's training tokens
         step_start = time.perf_counter()
+        # For the run summary (_summarize): this invocation's wall time, steps and target tokens (this rank).
+        run_start, first_step, trained_tokens, last_lm_loss = time.perf_counter(), self.global_step, 0, None
+        self._last_validation: Optional[Tuple[int, Dict[str, float]]] = None
         for curr_epoch in range(self.epochs_run, self.total_epochs):
             self._dataloader.sampler.set_epoch(curr_epoch)
             steps_done_this_epoch = self.global_step - curr_epoch * self._steps_per_epoch
@@ -672,10 +680,15 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                 self._lr_scheduler.step()
                 self.global_step += 1
                 tokens_since_log += num_tokens
+                trained_tokens += num_tokens
+                last_lm_loss = parts_sum["lm"]
                 pbar.update(1)
                 pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {parts_sum['lm']:.4f}")
 
-                if self.global_step % self._log_every_n_steps == 0 and self._is_rank_zero:
+                # The run's last step is always logged: a run shorter than log_every_n_steps would otherwise
+                # leave an empty metric log, and the tokens of the steps after the last log line would be lost.
+                log_now = self.global_step % self._log_every_n_steps == 0 or self.global_step == self._total_steps
+                if log_now and self._is_rank_zero:
                     elapsed = time.perf_counter() - step_start
                     metrics = {f"loss/{k}": v for k, v in parts_sum.items()}
                     metrics["tokens_per_second"] = num_tokens * self.world_size / max(elapsed, 1e-9)
@@ -697,6 +710,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
 
                 if self._val_dataloader is not None and self.global_step % self._val_every_n_steps == 0:
                     val = self.validate()
+                    self._last_validation = (self.global_step, val)
                     if self._is_rank_zero:
                         self._metric_logger.log_dict(val, step=self.global_step)
                         log.info(f"step {self.global_step}: {val}")
@@ -708,6 +722,95 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             if self.epochs_run == self.total_epochs and self._routed and self._calibration_batches:
                 self._calibrate_student()
             self.save_checkpoint(epoch=curr_epoch, epochs_run=self.epochs_run)
+        self.summary = self._summarize(
+            wall_s=time.perf_counter() - run_start, steps=self.global_step - first_step, tokens=trained_tokens,
+            last_lm_loss=last_lm_loss,
+        )
+
+    # ----------------------------------------------------------------------------------- run summary
+    @torch.no_grad()
+    def _student_executed_fractions(self) -> Tuple[str, Dict[int, float]]:
+        """``(source, {layer: fraction})``: the share of real tokens each routed layer's student runs on the first
+        batch of the validation data (of the training data without ``dataset_val``), with the model as saved
+        (after student calibration). One no-grad student forward, on every rank (FSDP2 forwards are collective)."""
+        layers = [m for m in self._model.modules() if isinstance(m, RoutedSelfAttentionLayer)]
+        if not layers:
+            return "", {}
+        if any(m.student_routing_mode == "topk" and not m.allow_noncausal_student_topk for m in layers):
+            # A whole-sequence top-k student is refused without a cache (DESIGN R4); it runs ⌊γ·n⌋ by construction.
+            return "top-k student: ⌊γ·n⌋ per sequence by construction", {}
+        loader, source = (
+            (self._val_dataloader, "validation") if self._val_dataloader is not None else (self._dataloader, "training")
+        )
+        # From the dataset, not an iterator of the loader: the training loader's position stays what it saved.
+        rows = [loader.dataset[i] for i in range(min(loader.batch_size, len(loader.dataset)))]
+        batch = batch_for_calibration(loader.collate_fn(rows), self._loss_fn.ignore_index)
+        batch = {k: (v.to(self._device) if v is not None else None) for k, v in batch.items()}
+        routing = RoutingContext(mode="student")
+        self._model.eval()
+        try:
+            self._logits(self._model, batch, routing)
+        finally:
+            self._model.train()
+        valid = batch["valid"]
+        order = sorted(routing.layers)
+        counts = torch.tensor(
+            [[float((routing.layers[i].selected_mask & valid).sum()), float(valid.sum())] for i in order],
+            dtype=torch.float64, device=self._device,
+        )
+        if self._distributed:
+            dist.all_reduce(counts)
+        return f"first {source} batch", {i: (c[0] / c[1]).item() for i, c in zip(order, counts)}
+
+    def _summarize(self, wall_s: float, steps: int, tokens: int, last_lm_loss: Optional[float]) -> Dict[str, Any]:
+        """Log what the run did, once, after its final checkpoint: train and validation loss, steps, tokens,
+        wall time and throughput, the student's executed fraction per routed layer, and where the output is.
+        Also written to the metric log as ``summary/...`` at the last step. Returns the summary (rank 0; ``{}``
+        elsewhere)."""
+        source, executed = self._student_executed_fractions() if self._routed else ("", {})
+        tokens_all = torch.tensor(float(tokens), dtype=torch.float64, device=self._device)
+        if self._distributed:
+            dist.all_reduce(tokens_all)
+        if not self._is_rank_zero:
+            return {}
+        tokens = int(tokens_all.item())
+        val_step, val = self._last_validation if self._last_validation is not None else (None, {})
+        summary: Dict[str, Any] = {
+            "steps": steps, "global_step": self.global_step, "total_steps": self._total_steps, "tokens": tokens,
+            "wall_s": wall_s, "tokens_per_second": tokens / max(wall_s, 1e-9), "train_lm_loss": last_lm_loss,
+            "val_step": val_step, "val_lm_loss_student": val.get("val/lm_loss_student"),
+            "val_lm_loss_teacher": val.get("val/lm_loss_teacher"), "executed_source": source,
+            "executed_fraction": executed,
+            "output_dir": os.path.join(self._output_dir, f"epoch_{self.epochs_run - 1}"),
+            # DiskLogger's file; other loggers (stdout, W&B, TensorBoard) have none.
+            "metric_log": str(self._metric_logger.path_to_log_file()) if hasattr(self._metric_logger, "path_to_log_file") else None,
+        }
+        first = self.global_step - steps + 1
+        lines = [
+            f"steps {first}–{self.global_step} of {self._total_steps} ({steps} in this run), {tokens:,} target tokens, "
+            f"{wall_s:.1f} s wall time, {summary['tokens_per_second']:.1f} tokens/s",
+            "train LM loss, last step: " + (f"{last_lm_loss:.4f}" if last_lm_loss is not None else "– (no step run)"),
+        ]
+        if val_step is None:
+            why = "no dataset_val" if self._val_dataloader is None else f"validation.every_n_steps is {self._val_every_n_steps}"
+            lines.append(f"validation: none ran ({why})")
+        else:
+            after = " (before student calibration)" if self._routed and self._calibration_batches else ""
+            lines.append(f"validation LM loss at step {val_step}{after}: student {val['val/lm_loss_student']:.4f}, "
+                         f"teacher {val['val/lm_loss_teacher']:.4f}")
+        if executed:
+            lines.append(f"student executes ({source}, model as saved): "
+                         + ", ".join(f"layer {i} {f:.3f}" for i, f in executed.items()))
+        elif source:
+            lines.append(f"student executes: {source}")
+        lines.append(f"output: {summary['output_dir']}" + (f"  (metrics: {summary['metric_log']})" if summary["metric_log"] else ""))
+        log.info("Run summary:\n  " + "\n  ".join(lines))
+
+        numeric = {k: summary[k] for k in ("steps", "tokens", "wall_s", "tokens_per_second", "train_lm_loss",
+                                           "val_lm_loss_student", "val_lm_loss_teacher") if summary[k] is not None}
+        numeric.update({f"layer_{i}/student_executed": f for i, f in executed.items()})
+        self._metric_logger.log_dict({f"summary/{k}": v for k, v in numeric.items()}, step=self.global_step)
+        return summary
 
     def _calibrate_student(self) -> None:
         """Before the final save: shift each threshold student's router bias so that it executes, on the
@@ -783,8 +886,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                 # Adapters and routing weights to resume from; merged weights for eval and generate.
                 state[training.ADAPTER_KEY] = routed_adapter_state_dict(model_state)
                 state[training.MODEL_KEY] = merged_lora_copy(model_state, rank=self._lora_rank, alpha=self._lora_alpha)
+            # The checkpointer logs the folder, step and size.
             self._checkpointer.save_checkpoint(state, epoch=epoch, intermediate_checkpoint=True)
-            log.info(f"Saved checkpoint at step {self.global_step} (epoch {epoch})")
         if self._distributed:
             dist.barrier()
 
@@ -795,14 +898,61 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             dist.destroy_process_group()
 
 
-@config.parse
+# ------------------------------------------------------------------------------------- command line
+def merge_overrides(yaml_cfg: Dict[str, Any], overrides: List[str]) -> DictConfig:
+    """``yaml_cfg`` (a config as plain containers) with ``key=value`` overrides merged exactly as ``tune run``
+    merges them (torchtune's own merge: ``~key`` removes a key, ``key=dotted.path`` on a component sets its
+    ``_component_``, ``None`` is null).
+
+    OmegaConf cannot merge into a list, so an override that reaches into a list-valued key (``dataset`` of the
+    0.5B configs is the papers' mixture, a list of components) fails with "Cannot merge incompatible container
+    types"; that error is re-raised saying how to replace the list instead.
+    """
+    try:
+        return _merge_yaml_and_cli_args(argparse.Namespace(**copy.deepcopy(dict(yaml_cfg))), list(overrides))
+    except Exception as err:  # OmegaConf raises TypeError, ValueError or its own errors here
+        removed = {o[1:].split("=", 1)[0] for o in overrides if o.startswith("~")}
+        touched = {o.split("=", 1)[0].split(".", 1)[0] for o in overrides if not o.startswith("~")}
+        lists = sorted(k for k in touched - removed if isinstance(yaml_cfg.get(k), (list, tuple)))
+        if not lists:
+            raise
+        key = lists[0]
+        example = (
+            f"'~{key}' {key}._component_=torchtune.datasets.text_completion_dataset {key}.source=json "
+            f"{key}.data_files=YOUR_TEXT.jsonl {key}.packed=True"
+            if key.startswith("dataset") else f"'~{key}' {key}._component_=... {key}.<argument>=..."
+        )
+        raise ValueError(
+            f"`{key}` is a list in this config ({len(yaml_cfg[key])} entries), and a key=value override cannot change "
+            f"one entry or turn the list into one component ({err}). Replace the whole list: remove it and give the "
+            f"new component key by key, e.g. {example} (README, 'Your own text')."
+        ) from err
+
+
+def parse(recipe_main):
+    """torchtune's ``config.parse`` (the same ``--config FILE key=value ...`` command line and merge), with
+    :func:`merge_overrides`'s explanation when an override reaches into a list."""
+
+    @functools.wraps(recipe_main)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        parser = TuneRecipeArgumentParser(description=recipe_main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        yaml_args, cli_args = parser.parse_known_args()
+        sys.exit(recipe_main(merge_overrides(vars(yaml_args), cli_args)))
+
+    return wrapper
+
+
+@parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point for ``tune run torchtune_dtf/recipes/routed_finetune.py --config ...``."""
     # torchrun's environment, not get_world_size_and_rank(): that one reports 1 until the group exists.
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
-    config.log_config(recipe_name="RoutedFinetuneRecipe", cfg=cfg)
+    # The resolved config is 100+ lines on the console before any work, and the metric logger saves it as
+    # output_dir/torchtune_config.yaml anyway (setup names the file); `print_config=True` prints it as well.
+    if cfg.get("print_config", False):
+        config.log_config(recipe_name="RoutedFinetuneRecipe", cfg=cfg)
     recipe = RoutedFinetuneRecipe(cfg=cfg)
     recipe.setup(cfg=cfg)
     recipe.train()

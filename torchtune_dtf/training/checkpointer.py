@@ -40,6 +40,7 @@ the shard names it holds); its routing sidecar is picked up automatically.
 """
 
 import json
+import logging
 import os
 import shutil
 import struct
@@ -274,6 +275,43 @@ def resume_folder(output_dir: Path) -> Path:
         )
     verify_files(folder, manifest)
     return folder
+
+
+def saved_dtype_name(state_dict: Mapping[str, Any]) -> Optional[str]:
+    """Hugging Face's name (``"float32"``, ``"bfloat16"``…) of the floating dtype holding most elements of
+    ``state_dict``; None without floating tensors."""
+    counts: Dict[torch.dtype, int] = {}
+    for value in state_dict.values():
+        if torch.is_tensor(value) and value.is_floating_point():
+            counts[value.dtype] = counts.get(value.dtype, 0) + value.numel()
+    return str(max(counts, key=counts.get)).removeprefix("torch.") if counts else None
+
+
+def write_saved_dtype(config_json: Path, dtype_name: str) -> None:
+    """Make ``config.json`` state the dtype its weights were saved in.
+
+    The base checkpointer copies ``config.json`` from ``checkpoint_dir`` as it is, so an fp32 run from a bf16
+    release saved fp32 weights under ``"torch_dtype": "bfloat16"``, and transformers (``torch_dtype="auto"``)
+    would load them as bf16. Sets each of ``torch_dtype`` (transformers < 4.56) and ``dtype`` (its successor)
+    that the file has, ``torch_dtype`` when it has neither (every transformers version reads it).
+    """
+    hf_config = json.loads(config_json.read_text())
+    keys = [key for key in ("torch_dtype", "dtype") if key in hf_config] or ["torch_dtype"]
+    if all(hf_config.get(key) == dtype_name for key in keys):
+        return
+    hf_config.update({key: dtype_name for key in keys})
+    config_json.write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+class _DropStagingSizeMessages(logging.Filter):
+    """The base checkpointer logs every file it writes with its path in the staging folder, which is renamed a
+    moment later (and left ``.saving`` on the console); :meth:`RoutedHFCheckpointer.save_checkpoint` logs the
+    final folder and sizes once instead."""
+
+    PREFIXES = ("Model checkpoint of size", "Adapter checkpoint of size", "Recipe checkpoint of size")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.PREFIXES)
 
 
 def _fsync(path: Path) -> None:
@@ -577,20 +615,28 @@ class RoutedHFCheckpointer:
         _raise_if(problems, f"Cannot save epoch {epoch}: state dict does not match the configured model")
 
         identity = {key: state_dict[key] for key in (RUN_ID_KEY, STEP_KEY) if key in state_dict}
+        # Before the base save: with intermediate_checkpoint it pops the model entry from what it is given.
+        dtype_name = saved_dtype_name(to_save[training.MODEL_KEY]) if training.MODEL_KEY in to_save and not adapter_only else None
 
         # Everything is written into a staging folder and renamed into place when complete, so a kill at any
         # moment leaves the previous checkpoint whole.
         recover_interrupted_save(self._output_dir)
         staging = self._output_dir / _STAGING
         self._base._output_dir = staging
+        size_messages = _DropStagingSizeMessages()
+        base_logger = logging.getLogger("torchtune.utils._logging")  # torchtune's get_logger(): one logger for all
+        base_logger.addFilter(size_messages)
         try:
             self._base.save_checkpoint(
                 to_save, epoch=epoch, intermediate_checkpoint=intermediate_checkpoint, adapter_only=adapter_only
             )
         finally:
             self._base._output_dir = self._output_dir
+            base_logger.removeFilter(size_messages)
         folder = staging / f"epoch_{epoch}"
         folder.mkdir(parents=True, exist_ok=True)
+        if dtype_name is not None and (folder / "config.json").is_file():
+            write_saved_dtype(folder / "config.json", dtype_name)
         recipe_state = staging / RECIPE_STATE_DIRNAME / "recipe_state.pt"
         if recipe_state.is_file():
             os.replace(recipe_state, folder / RECIPE_STATE_FNAME)
@@ -619,3 +665,6 @@ class RoutedHFCheckpointer:
         _fsync(self._output_dir)
         shutil.rmtree(replaced, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
+        total = sum(manifest["files"].values()) / 1024**3
+        step = f"step {identity[STEP_KEY]}, " if STEP_KEY in identity else ""
+        log.info(f"Saved {final} ({step}{total:.2f} GiB{f', weights in {dtype_name}' if dtype_name else ''})")

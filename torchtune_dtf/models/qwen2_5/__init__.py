@@ -50,7 +50,11 @@ from torchtune_dtf.models.qwen2_5._model_builders import (
     lora_stt_qwen2_5_tiny,
 )
 
+from torchtune_dtf.models.qwen2_5._tokenizer import Qwen2_5BaseTokenizer, qwen2_5_base_tokenizer
+
 __all__ = [
+    "Qwen2_5BaseTokenizer",
+    "qwen2_5_base_tokenizer",
     "ARCHITECTURE_KEYS",
     "Qwen2Architecture",
     "QWEN2_5_SHAPES",
