@@ -273,7 +273,7 @@ def test_routing_report_compares_dense_and_student(workdir, capsys):
         assert row["teacher/teacher_fraction"] == 0.5  # top-k at γ = 0.5 on 24-token windows
         assert 0 <= row["teacher/agreement_accuracy"] <= 1 and 0 <= row["student/selected_fraction"] <= 1
         # The teacher ranks by the surprise signal at the final β = 100: ties are rare and the selection
-        # is not "the first half of the window" (DESIGN R1).
+        # is not "the first half of the window" (docs/design.md R1).
         assert row["teacher/score_tie_share"] < 0.05
         assert 0.25 < row["teacher/teacher_first_half_share"] < 0.75
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Validation of routing hyperparameters (DESIGN §3.10, spec §7).
+"""Validation of routing hyperparameters (docs/design.md §3.10, spec §7).
 
 There are no defaults in code: a builder receives every routing hyperparameter from its config, and
 :func:`validate_routing` reports every missing, unknown or invalid value in one error before anything

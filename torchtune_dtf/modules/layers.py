@@ -64,7 +64,7 @@ def sequence_starts(positions: torch.Tensor, mask: Optional[torch.Tensor], offse
 
     A token starts a sequence when its position id is 0, or when the attention mask does not let it see
     the token just before it in the layout: the first token of a packed document (block-causal mask,
-    DESIGN R3), every left pad and the first real token after them (torchtune's generation masks).
+    docs/design.md R3), every left pad and the first real token after them (torchtune's generation masks).
 
     Args:
         positions (torch.Tensor): ``[b, s]`` position ids.
@@ -93,9 +93,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         capacity (float): γ ∈ (0, 1]; top-k keeps ⌊γ·n⌋ tokens of each sequence of n tokens.
         causal_router (CausalRouter): the student.
         student_routing_mode (str): ``"threshold"`` (σ(r̃) > τ, causal; evaluation) or ``"topk"``
-            (per-sequence top-k on a cached prefill, per-step top ⌊γ·b⌋ rows when decoding; DESIGN §4).
+            (per-sequence top-k on a cached prefill, per-step top ⌊γ·b⌋ rows when decoding; docs/design.md §4).
         student_threshold (Optional[float]): τ for threshold mode.
-        gate (str): how a selected token's update is scaled (DESIGN R2). ``"scaled"``: by the gate in
+        gate (str): how a selected token's update is scaled (docs/design.md R2). ``"scaled"``: by the gate in
             training (g for SDT/STT, σ(r) for MoD, as the papers); at inference SDT/STT apply 1 (g needs the
             block's own output) and MoD σ(r). ``"straight_through"``: forward value 1 in training and
             inference, gradient through the gate, so the training forward is what inference computes.
@@ -492,7 +492,7 @@ class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):
         d_st = static_surprise(delta)
         d_ch = change_surprise(delta, predicted)
         surprise = self.predictive_router(d_st, d_ch, beta_ce, beta_cu, starts)
-        # Rank by the non-saturating score, never by g itself (DESIGN R1); g stays the gate.
+        # Rank by the non-saturating score, never by g itself (docs/design.md R1); g stays the gate.
         if self.teacher_selection == "topk":
             selection = self.topk_by_sequence(surprise.score, starts, routing.capacity(self.capacity))
         else:
@@ -511,7 +511,7 @@ class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):
 
 
 class STTLayer(_SurpriseRoutedLayer):
-    """Subjective Timescale layer (paper §3.2; spec §4; DESIGN §3.6).
+    """Subjective Timescale layer (paper §3.2; spec §4; docs/design.md §3.6).
 
     Teacher: a dense pass of the block without gradient gives Δx_t; the TPN predicts it from the previous
     token's dense output state x_{t−1}^(l) (x_0 = 0); surprise → g → top-k (or g ≥ g_th); the block then

@@ -8,7 +8,7 @@ Every optimizer step s the recipe
 1. computes β_ce(s), β_cu(s) from ``beta_schedule`` (spec §6) and passes them to the model in a
    teacher-mode :class:`RoutingContext`;
    The routed pass runs the teacher's selection, or on a scheduled share of steps the student's own
-   (``scheduled_sampling``, DESIGN R2), so the backbone also trains on what inference executes;
+   (``scheduled_sampling``, docs/design.md R2), so the backbone also trains on what inference executes;
 2. forms L = L_LM + λ_pred·L_pred + λ_causal·L_causal + λ_g_reg·L_g_reg, each auxiliary loss averaged over
    tokens and then over routed layers (spec §4.8; paper §3.3.2), plus λ_distill·T²·KL(dense ‖ routed)
    against a frozen dense copy of the starting weights when ``distillation.weight`` > 0; top-k teachers
@@ -21,7 +21,7 @@ Every optimizer step s the recipe
 
 Variants: dense, the two baselines (``layerdrop``: layers removed; ``random``: random selection at the
 routed budget), MoD, SDT and STT. Single device or FSDP2 (torchrun), CPU or CUDA, fp32 or bf16, gradient accumulation and clipping,
-packed datasets (``packed: True``: block-causal mask, positions restarting per document, DESIGN R3),
+packed datasets (``packed: True``: block-causal mask, positions restarting per document, docs/design.md R3),
 activation checkpointing and compile applied from outside the model (they cover routed layers because
 those are ``TransformerSelfAttentionLayer`` s). Periodic validation reports the held-out LM loss of the
 student (what users deploy) and of the teacher. Checkpoints carry the optimizer, step and data position,
@@ -439,7 +439,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
 
     def _check_student_is_causal(self) -> None:
         """Validation scores held-out text with the student; a whole-sequence top-k student is not causal
-        (DESIGN R4), so refuse it before any training unless the config asks for that analysis."""
+        (docs/design.md R4), so refuse it before any training unless the config asks for that analysis."""
         noncausal = sorted(
             m.layer_idx for m in self._model.modules()
             if isinstance(m, RoutedSelfAttentionLayer) and m.student_routing_mode == "topk" and not m.allow_noncausal_student_topk
@@ -737,7 +737,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         if not layers:
             return "", {}
         if any(m.student_routing_mode == "topk" and not m.allow_noncausal_student_topk for m in layers):
-            # A whole-sequence top-k student is refused without a cache (DESIGN R4); it runs ⌊γ·n⌋ by construction.
+            # A whole-sequence top-k student is refused without a cache (docs/design.md R4); it runs ⌊γ·n⌋ by construction.
             return "top-k student: ⌊γ·n⌋ per sequence by construction", {}
         loader, source = (
             (self._val_dataloader, "validation") if self._val_dataloader is not None else (self._dataloader, "training")

@@ -16,7 +16,7 @@ held-out documents). For the routed model it reports the loss of the student (ca
 deployed) and of the teacher at the final β of the training schedule, each routed layer's executed
 fraction under the student, the teacher–student agreement (accuracy, precision, recall) of the
 causal router against the teacher's selection, and two checks that the teacher's ranking carries the
-surprise signal rather than position order (DESIGN R1): the share of tokens whose ranking score ties with
+surprise signal rather than position order (docs/design.md R1): the share of tokens whose ranking score ties with
 another's, and the share of teacher-selected tokens in the first half of each window (≈ 0.5 unbiased,
 ≈ 1.0 when ties degenerate to "the first half of the window").
 """

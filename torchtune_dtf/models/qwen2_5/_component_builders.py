@@ -107,7 +107,7 @@ def causal_router(spec: RoutingSpec, embed_dim: int, norm_eps: float) -> CausalR
 
 
 def residual_predictor(spec: RoutingSpec, embed_dim: int, norm_eps: float) -> ResidualPredictor:
-    """PriorFFN (SDT) or TPN (STT) of width max(2, ceil(f·d)) rounded to even (DESIGN §3.3)."""
+    """PriorFFN (SDT) or TPN (STT) of width max(2, ceil(f·d)) rounded to even (docs/design.md §3.3)."""
     return ResidualPredictor(
         embed_dim=embed_dim,
         hidden_dim=predictor_width(spec.prior_factor, embed_dim),
