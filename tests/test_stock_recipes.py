@@ -635,9 +635,10 @@ def test_tune_run_routed_generate_prints_executed_fractions(workdir, qwen_tokeni
     proc = run_tune(workdir, "torchtune_dtf/recipes/routed_generate.py", "--config", str(CONFIGS / "generate_stt.yaml"))
     out = _output(proc)
     assert proc.returncode == 0, out[-5000:]
-    # The stock recipe's own output, unchanged.
-    completion = r"<\|im_start\|>assistant\n(<\|im_end\|>)?" + re.escape(CHAIN_TEXT) + r"<\|endoftext\|>\n"
+    # The stock recipe's own output, unchanged: the plain-text prompt (base-model tokenizer) and the completion.
+    completion = re.escape("What do routed tokens save?" + CHAIN_TEXT) + r"<\|endoftext\|>\n"
     assert re.search(completion, out), out[-3000:]
+    assert "<|im_start|>" not in out
     assert "Time for inference" in out and "huggingface.co" not in out
     fractions, mean, printed = _printed_routing(out)
 
@@ -647,8 +648,12 @@ def test_tune_run_routed_generate_prints_executed_fractions(workdir, qwen_tokeni
     cfg.output_dir = str(workdir / "outputs")
     model = config.instantiate(cfg.model)
     model.load_state_dict(config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY])
+    # The prompt as the stock recipe builds it, with the config's own tokenizer.
+    for key in ("path", "merges_file"):
+        cfg.tokenizer[key] = str(workdir / cfg.tokenizer[key])
+    tokenizer = config.instantiate(cfg.tokenizer)
     messages = [Message(role="user", content=cfg.prompt.user), Message(role="assistant", content="")]
-    prompt = torch.tensor(qwen_tokenizer({"messages": messages}, inference=True)["tokens"])
+    prompt = torch.tensor(tokenizer({"messages": messages}, inference=True)["tokens"])
     _, decisions, handles = record_routed_calls(model.eval())
     model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=prompt.numel() + cfg.max_new_tokens)
     with torch.inference_mode():
