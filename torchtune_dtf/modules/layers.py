@@ -147,10 +147,10 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         self.skipped_tokens_write_kv = skipped_tokens_write_kv
         self.skip_update = skip_update
         # σ(r̃) > τ compared as r̃ > logit(τ) on fp32 logits: σ rounds to 1.0 (or 0.0) long before r̃ does.
-        self._student_logit_threshold = None
+        self.student_logit_threshold = None
         if student_routing_mode == "threshold":
             tau = student_threshold
-            self._student_logit_threshold = -math.inf if tau == 0 else math.log(tau) - math.log1p(-tau)
+            self.student_logit_threshold = -math.inf if tau == 0 else math.log(tau) - math.log1p(-tau)
         # Student-mode counters (see :meth:`routing_counts`): registered empty and created on the first
         # counted forward, on its device. A model built on the meta device (FSDP, benchmarks) then has
         # nothing to materialise beyond what torchtune already handles (RoPE), and they never reach a
@@ -267,7 +267,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         """What the deployed student runs. ``analysis=True`` (teacher–student agreement during training)
         permits the non-causal whole-sequence top-k that is otherwise refused."""
         if self.student_routing_mode == "threshold":
-            return self.by_threshold(logits > self._student_logit_threshold, starts)
+            return self.by_threshold(logits > self.student_logit_threshold, starts)
         if cache is not None and logits.shape[1] == 1:
             return mask_selection(batch_topk_rows(logits[:, 0], self.capacity))
         if cache is None and not (analysis or self.allow_noncausal_student_topk):

@@ -283,10 +283,9 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
         self._distributed = self.world_size > 1
-        self._variant = _variant_of(cfg.model)
+        self._variant, self._is_lora = model_identity(cfg.model)
         # Dense and static layer dropping take no routing decision: no routing context, losses or schedules.
         self._routed = self._variant not in STATIC_VARIANTS
-        self._is_lora = model_identity(cfg.model)[1]
         if self._is_lora:
             self._lora_rank, self._lora_alpha = cfg.model.lora_rank, cfg.model.lora_alpha
 

@@ -15,7 +15,6 @@ changes every later layer's input), so the shift is repeated for a few full stud
 value changes: the code path evaluated and deployed is the ordinary student.
 """
 
-import math
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -120,8 +119,9 @@ def calibrate_student_routers(
     for _ in range(rounds):
         _, logits = _student_pass(model, batches)
         for idx, layer in layers.items():
-            tau = layer.student_threshold
-            threshold_logit = math.log(tau) - math.log1p(-tau)
+            threshold_logit = layer.student_logit_threshold  # logit(τ): the student runs r̃ > this
+            if threshold_logit == float("-inf"):
+                raise ValueError(f"Layer {idx}: student_threshold 0 runs every token; there is no threshold to calibrate")
             # The (1 − f)-quantile q passes the tokens above it; at f = 0 or 1 push past the extremes.
             layer_logits = logits[idx]
             fraction = targets[idx]
