@@ -43,12 +43,14 @@ Variants and technique options (model config keys; an absent key means the behav
   training token (:func:`distillation_teacher_flops_per_token`), reported apart from the deployed forward.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Architecture numbers of a Qwen2 decoder."""
+    """The numbers of a Qwen2 decoder that FLOPs and KV bytes depend on: a subset of
+    ``torchtune_dtf.models.qwen2_5.Qwen2Architecture`` (build one with :meth:`from_architecture`); this module
+    does not import torch."""
 
     vocab_size: int
     num_layers: int
@@ -57,6 +59,14 @@ class ModelShape:
     embed_dim: int
     intermediate_dim: int
     tie_word_embeddings: bool = True
+
+    @classmethod
+    def from_architecture(cls, architecture: Mapping) -> "ModelShape":
+        """The numbers FLOPs depend on, read from any mapping with ``Qwen2Architecture``'s keys (a model
+        config section, ``QWEN2_5_SHAPES[size]``); extra keys are ignored."""
+        tied = architecture.get("tie_word_embeddings", True)
+        counts = {f.name: int(architecture[f.name]) for f in fields(cls) if f.name != "tie_word_embeddings"}
+        return cls(**counts, tie_word_embeddings=bool(tied))
 
     @property
     def head_dim(self) -> int:
@@ -494,15 +504,7 @@ def model_shape(size: str, vocab_size: Optional[int] = None) -> ModelShape:
     s = QWEN2_5_SHAPES[size]
     if vocab_size is None:
         vocab_size = TINY_ARGS["vocab_size"] if size == "tiny" else s["vocab_size"]
-    return ModelShape(
-        vocab_size=vocab_size,
-        num_layers=s["num_layers"],
-        num_heads=s["num_heads"],
-        num_kv_heads=s["num_kv_heads"],
-        embed_dim=s["embed_dim"],
-        intermediate_dim=s["intermediate_dim"],
-        tie_word_embeddings=s["tie_word_embeddings"],
-    )
+    return ModelShape.from_architecture({**s, "vocab_size": vocab_size})
 
 
 #: Model-config keys that describe the architecture (or LoRA), not the routing.
@@ -526,15 +528,7 @@ def model_shape_from_config(model: Mapping) -> ModelShape:
     """:class:`ModelShape` of a recipe's ``model`` section: the architecture keys of ``routed_qwen2`` configs,
     else the size named by a ``{variant}_qwen2_5_{size}`` builder (``vocab_size`` as the config gives it)."""
     if "num_layers" in model:
-        return ModelShape(
-            vocab_size=int(model["vocab_size"]),
-            num_layers=int(model["num_layers"]),
-            num_heads=int(model["num_heads"]),
-            num_kv_heads=int(model["num_kv_heads"]),
-            embed_dim=int(model["embed_dim"]),
-            intermediate_dim=int(model["intermediate_dim"]),
-            tie_word_embeddings=bool(model.get("tie_word_embeddings", True)),
-        )
+        return ModelShape.from_architecture(model)
     builder = str(model["_component_"]).rsplit(".", 1)[-1]
     if "_qwen2_5_" not in builder:
         raise ValueError(f"cannot tell the architecture of model component {model['_component_']!r}")

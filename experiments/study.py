@@ -55,7 +55,7 @@ study is resumable; delete a JSON to redo that run):
    finished training is marked by ``<output_dir>/study_train_done.json``. The training wall time is the sum of
    the attempts since the last fresh start, an attempt killed with the driver counting until its log's last
    write (attempts and their logs: ``<work_dir>/logs/<run>__seed<k>/``).
-2. **Held-out evaluation** in this process, with ``torchtune_dtf.training.routing_report`` (``heldout_windows``,
+2. **Held-out evaluation** in this process, with ``torchtune_dtf.evaluation.routing_report`` (``heldout_windows``,
    ``load_trained``, ``heldout_loss``, ``layer_report``) on the config the recipe saved
    (``<output_dir>/torchtune_config.yaml``) and its final checkpoint ``epoch_0``: the student loss (the deployed
    causal routing; the dense model's default forward), the teacher loss at the β schedule's end values (routed
@@ -63,7 +63,7 @@ study is resumable; delete a JSON to redo that run):
 3. **MC accuracy** with torchtune's stock ``tune run eleuther_eval``, on a config written to
    ``<output_dir>/eleuther/eval_config.yaml``: the template's eval keys, the run's model and tokenizer (paths
    made absolute), and a ``RoutedHFCheckpointer`` on ``epoch_0``. It runs with ``HF_HOME=<work_dir>/hf_home``
-   seeded with the offline ``gpt2`` stand-in (``torchtune_dtf.data.lm_eval_offline``) and the hub switched off.
+   seeded with the offline ``gpt2`` stand-in (``torchtune_dtf.offline.lm_eval_standin``) and the hub switched off.
 4. **Compute**, closed form (``benchmarks/closed_form.py``: ``per_token_compute``) at the held-out ``seq_len``
    with the measured executed fractions: forward FLOPs per token of the deployed (student) model and of the
    dense model of the same shape, their ratio, KV bytes per token and ratio, and a distillation teacher's
@@ -386,7 +386,7 @@ def train(study: Dict[str, Any], run: Dict[str, Any], seed: int) -> Dict[str, An
 
 
 # ------------------------------------------------------------------------------------------ training log
-# (the DiskLogger files are read by torchtune_dtf.training.metric_logs.parse_disk_logs, shared with routing_plots)
+# (the DiskLogger files are read by torchtune_dtf.evaluation.metric_logs.parse_disk_logs, shared with routing_plots)
 def _round(value: float, digits: int = 6) -> Optional[float]:
     if value is None or not math.isfinite(value):
         return None
@@ -421,7 +421,7 @@ def heldout_evaluation(saved_config: Path, checkpoint_dir: Path, heldout: Dict[s
     from torchtune import config
 
     from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
-    from torchtune_dtf.training.routing_report import heldout_loss, heldout_windows, layer_report, load_trained
+    from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, layer_report, load_trained
 
     cfg = OmegaConf.load(saved_config)
     windows = heldout_windows(config.instantiate(cfg.tokenizer), Path(heldout["file"]), int(heldout["seq_len"]),
@@ -523,7 +523,7 @@ def seed_offline_hf_home(hf_home: Path, log_file: Path) -> None:
     """The `gpt2` stand-in the stock eval wrapper asks for, in a study-private HF cache (once per study)."""
     if (hf_home / "hub" / "models--gpt2" / "refs" / "main").is_file():
         return
-    command = [sys.executable, "-m", "torchtune_dtf.data.lm_eval_offline", "--hf-home", str(hf_home)]
+    command = [sys.executable, "-m", "torchtune_dtf.offline.lm_eval_standin", "--hf-home", str(hf_home)]
     returncode, _ = _run_logged(command, log_file, REPO, subprocess_env())
     if returncode != 0:
         raise StudyError(f"writing the offline gpt2 stand-in failed; see {log_file}:\n{_tail(log_file)}")
@@ -598,7 +598,7 @@ def dumps_result(result: Dict[str, Any]) -> str:
 def run_one(study: Dict[str, Any], run: Dict[str, Any], seed: int) -> Path:
     from omegaconf import OmegaConf
 
-    from torchtune_dtf.training.metric_logs import parse_disk_logs
+    from torchtune_dtf.evaluation.metric_logs import parse_disk_logs
 
     rid = run_id(run["name"], seed)
     result_path = Path(study["out_dir"]) / "runs" / f"{rid}.json"

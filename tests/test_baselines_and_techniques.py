@@ -1,6 +1,7 @@
-"""The matched-compute baselines (static layer dropping, random routing) and the techniques that keep a
-converted model's quality (context-preserving K/V, predicted skip update, capacity curriculum, dense
-distillation, the dense routing mode), each checked against a reference computed independently."""
+"""torchtune_dtf.modules.{layers, routed_block}, torchtune_dtf.training.{routing_losses, schedules}, torchtune_dtf.recipes.routed_finetune:
+the matched-compute baselines (static layer dropping, random routing) and the techniques that keep a converted model's
+quality (context-preserving K/V, predicted skip update, capacity curriculum, dense distillation, the dense routing
+mode), each checked against a reference computed independently."""
 
 import math
 
@@ -69,7 +70,7 @@ def test_layerdrop_equals_the_dense_model_without_those_layers(tokens):
     ([1, 9], r"dropped_layers \[9\] are outside"),
     ("every_third", "dropped_layers must be one of"),
 ])
-def test_layerdrop_config_errors(bad, message):
+def test_invalid_dropped_layers_are_rejected_naming_the_problem(bad, message):
     with pytest.raises(ValueError, match=message):
         routed_qwen2("layerdrop", **tiny_architecture(), dropped_layers=bad)
 
@@ -77,7 +78,7 @@ def test_layerdrop_config_errors(bad, message):
 # ---- random routing ----------------------------------------------------------------------------------
 
 
-def test_random_routing_budget_and_randomness():
+def test_random_routing_keeps_its_budget_redraws_per_forward_and_is_seeded():
     torch.manual_seed(0)
     model = build_tiny("random", capacity=0.5)
     assert not any(p.numel() for n, p in model.named_parameters() if "router" in n)
@@ -224,7 +225,7 @@ def test_predicted_skip_update_needs_a_forecast(variant):
 
 
 @pytest.mark.parametrize("variant", ["mod", "stt", "random"])
-def test_capacity_progress_sets_the_teacher_budget(variant):
+def test_capacity_progress_moves_the_teacher_budget_from_all_to_gamma(variant):
     model = build_tiny(variant, capacity=0.25)
     tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     for progress, expected in ((0.0, 40), (0.5, 25), (1.0, 10)):
@@ -234,7 +235,7 @@ def test_capacity_progress_sets_the_teacher_budget(variant):
             assert record.selected_mask.sum(-1).tolist() == [expected, expected]
 
 
-def test_capacity_curriculum_schedule():
+def test_capacity_curriculum_progress_is_linear_to_one_and_bounded():
     curriculum = CapacityCurriculum(ramp_steps=10)
     assert [curriculum.progress(s) for s in (0, 5, 10, 20)] == [0.0, 0.5, 1.0, 1.0]
     assert CapacityCurriculum(ramp_steps=0).progress(0) == 1.0
@@ -286,7 +287,7 @@ def baseline_config(variant, **routing):
     return cfg
 
 
-def test_random_and_layerdrop_train_through_the_recipe(workdir):
+def test_recipe_trains_random_routing_and_never_updates_dropped_layers(workdir):
     from torchtune_dtf.training import RoutedHFCheckpointer  # noqa: F401  (imported by the config)
 
     cfg = baseline_config("random")
@@ -356,7 +357,7 @@ def test_distillation_weight_zero_builds_no_teacher(workdir):
     assert "distill" not in parts
 
 
-def test_new_recipe_keys_are_required():
+def test_missing_capacity_curriculum_and_distillation_keys_are_named():
     from torchtune_dtf.recipes.routed_finetune import validate_recipe_config
 
     cfg = load_config("stt_train")

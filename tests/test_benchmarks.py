@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark suite (benchmarks/) on the tiny shape.
+"""benchmarks.{closed_form, common, run, layer_timing}: smoke test of the benchmark suite on the tiny shape.
 
 Asserts only deterministic quantities: the closed forms (issue #4's numbers for the Qwen2.5-0.5B shape) and
 FlopCounterMode counts of the package's own models against them. Timings are run once to exercise the code
@@ -31,7 +31,7 @@ def test_qwen0_5b_shape_matches_the_issue():
 
 
 @pytest.mark.parametrize("variant,inputs,width", [("mod", 1, 0), ("sdt", 1, 56), ("stt", 2, 56)])
-def test_closed_form_ratios_at_half_capacity_every_other_layer(variant, inputs, width):
+def test_closed_form_at_half_capacity_gives_0_75_linear_and_0_81_total(variant, inputs, width):
     shape = cf.model_shape("0_5b")
     routing = cf.every_other(shape, variant, 0.5, router_inputs=inputs, predictor_width=width)
     ratios = cf.category_ratios(shape, routing, 512)
@@ -44,7 +44,7 @@ def test_closed_form_ratios_at_half_capacity_every_other_layer(variant, inputs, 
     assert cf.kv_cache_ratio(shape, routing, {i: 0.5 for i in routing.routed_layers}) == pytest.approx(0.75)
 
 
-def test_closed_form_terms():
+def test_closed_form_terms_equal_hand_counts_on_a_toy_shape():
     shape = cf.ModelShape(vocab_size=10, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=8, intermediate_dim=16)
     # q, o: 8×8; k, v: 8×4; MLP 3 × 8×16 → 2·(64+64+32+32) + 2·384 per token
     assert shape.block_linear_flops_per_token == 2 * (64 + 64 + 32 + 32) + 2 * 3 * 8 * 16
@@ -126,7 +126,7 @@ def test_build_like_shares_the_backbone(dense):
 # ---- the suite end to end on the tiny shape (timings not asserted) ---------------------------------------
 
 
-def test_suite_runs_on_tiny_shape(tmp_path, monkeypatch):
+def test_tiny_suite_report_is_self_consistent_and_restores_process_state(tmp_path, monkeypatch):
     # The runner pins threads (env + torch); keep the test session's setting for the tests that follow.
     threads = torch.get_num_threads()
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -265,7 +265,7 @@ def _rshape(variant, **keys):
     return cf.routing_shape_from_model_config(_toy_model(variant, **keys), TOY.num_layers, TOY.embed_dim)
 
 
-def test_model_and_routing_shape_from_configs():
+def test_shapes_read_from_shipped_configs_equal_the_named_shapes():
     from omegaconf import OmegaConf
 
     repo = Path(__file__).resolve().parents[1]
@@ -286,7 +286,7 @@ def test_model_and_routing_shape_from_configs():
     assert layerdrop.dropped_layers == (1, 3) and layerdrop.routed_layers == ()
 
 
-def test_layerdrop_formula():
+def test_layerdrop_closed_form_removes_exactly_the_dropped_layers_cost():
     T = 8
     rshape = _rshape("layerdrop", dropped_layers=[1, 3])
     f = cf.forward_flops(TOY, rshape, T)
@@ -311,7 +311,7 @@ def test_random_routing_has_no_router_flops():
 
 
 @pytest.mark.parametrize("variant", ["mod", "sdt", "stt", "random"])
-def test_skipped_tokens_write_kv_formula(variant):
+def test_skipped_tokens_write_kv_costs_their_kv_projections_keeps_all_kv(variant):
     T, k = 8, 4  # γ = 0.5 on layers 1 and 3
     plain, ctx = _rshape(variant), _rshape(variant, skipped_tokens_write_kv=True)
     f_plain, f_ctx = cf.forward_flops(TOY, plain, T), cf.forward_flops(TOY, ctx, T)
@@ -328,7 +328,7 @@ def test_skipped_tokens_write_kv_formula(variant):
 
 
 @pytest.mark.parametrize("variant", ["sdt", "stt"])
-def test_predicted_skip_update_formula(variant):
+def test_predicted_skip_update_costs_the_predictor_on_skipped_tokens_only(variant):
     T, k = 8, 4
     plain, pred = _rshape(variant), _rshape(variant, skip_update="predicted")
     d_p = 4  # predictor_width(0.5, 8)

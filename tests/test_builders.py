@@ -1,5 +1,6 @@
-"""The builders as torchtune's: one ``def`` per model builder, inspectable signatures, one architecture
-definition, and routing presets that equal the shipped configs."""
+"""torchtune_dtf.models.qwen2_5.{_model_builders, _component_builders}, torchtune_dtf.models.routing_presets: the
+builders as torchtune's: one ``def`` per model builder, inspectable signatures, one architecture definition, and
+routing presets that equal the shipped configs."""
 
 import dataclasses
 import inspect
@@ -39,7 +40,7 @@ def _model_components():
 MODEL_COMPONENTS = _model_components()
 
 
-def test_shipped_configs_name_model_components():
+def test_at_least_40_shipped_configs_name_a_package_model_builder():
     assert len(MODEL_COMPONENTS) >= 40  # configs/, eval/, generate/, quickstart/, tiny/
 
 

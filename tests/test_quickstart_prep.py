@@ -1,4 +1,5 @@
-"""Tests of the quickstart preparation tools: GGUF → Qwen2 HF conversion and the offline corpus.
+"""torchtune_dtf.offline.{gguf_to_hf, tokenizer_assets}, torchtune_dtf.data.corpus, torchtune_dtf.models.qwen2_5._tokenizer:
+the quickstart preparation tools: GGUF → Qwen2 HF conversion (with its tokenizer) and the offline corpus.
 
 No network: the GGUF is a tiny Llama written here with ``gguf.GGUFWriter`` from known HF Qwen2 weights
 (q/k rows stored in llama.cpp's interleaved RoPE order); the corpus source is the synthetic tree in
@@ -19,8 +20,8 @@ import transformers  # noqa: E402  (the test extra installs it)
 import gguf  # noqa: E402  (the test/quickstart extras install it)
 
 from torchtune_dtf.data import corpus as corpus_mod  # noqa: E402
-from torchtune_dtf.data import gguf_to_hf as g2h  # noqa: E402
-from torchtune_dtf.data.tokenizer_assets import bytes_to_unicode  # noqa: E402
+from torchtune_dtf.offline import gguf_to_hf as g2h  # noqa: E402
+from torchtune_dtf.offline.tokenizer_assets import bytes_to_unicode  # noqa: E402
 
 ASSETS = Path(__file__).parent / "assets" / "prep"
 SOURCE = ASSETS / "shakespeare_tiny"
@@ -305,7 +306,7 @@ def test_every_tensor_lands_with_right_key_shape_and_values(converted, variant):
 
 
 @pytest.mark.parametrize("variant", ["tied_f32", "untied_q8"])
-def test_config_fields(converted, variant):
+def test_converted_config_json_states_the_gguf_architecture(converted, variant):
     hf_dir, _, _, _ = converted[variant]
     cfg = json.loads((hf_dir / "config.json").read_text())
     assert cfg["model_type"] == "qwen2" and cfg["architectures"] == ["Qwen2ForCausalLM"]
@@ -335,7 +336,7 @@ def test_hf_and_torchtune_logits_match_reference(converted, variant):
     torch.testing.assert_close(tt_logits, hf_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_bfloat16_output(converted, tmp_path):
+def test_bfloat16_conversion_rounds_weights_and_refuses_an_existing_dir(converted, tmp_path):
     from safetensors.torch import load_file
 
     _, _, expected, path = converted["tied_f32"]
@@ -390,7 +391,7 @@ def test_rejects_gguf_tensors_transformers_skips(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_tokenizer_files_and_special_tokens(converted):
+def test_tokenizer_files_hold_the_gguf_vocab_merges_and_special_ids(converted):
     hf_dir, _, _, _ = converted["tied_f32"]
     vocab = json.loads((hf_dir / "vocab.json").read_text(encoding="utf-8"))
     assert vocab == {t: i for i, t in enumerate(TOKENS)}
@@ -408,7 +409,7 @@ def test_tokenizer_files_and_special_tokens(converted):
     assert special["pre_tokenizer"] == "smollm"
 
 
-def test_tokenizer_round_trip_torchtune_and_transformers(converted):
+def test_torchtune_and_transformers_tokenizers_agree_and_round_trip(converted):
     from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 
     hf_dir, _, _, _ = converted["tied_f32"]
@@ -446,7 +447,7 @@ def test_tokenizer_round_trip_torchtune_and_transformers(converted):
 
     cfg = OmegaConf.create(
         {
-            "_component_": "torchtune_dtf.data.gguf_to_hf.gguf_qwen2_5_tokenizer",
+            "_component_": "torchtune_dtf.models.qwen2_5.gguf_qwen2_5_tokenizer",
             "path": str(hf_dir / "vocab.json"),
             "merges_file": str(hf_dir / "merges.txt"),
             "special_tokens_path": str(hf_dir / "torchtune_special_tokens.json"),
@@ -460,7 +461,31 @@ def test_tokenizer_round_trip_torchtune_and_transformers(converted):
     assert chat == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_tokenizer_only_cli_and_hf_source(converted, tmp_path):
+def test_gguf_base_tokenizer_prompt_is_plain_text_split_as_the_model_splits(converted):
+    """The quickstart generate config's tokenizer: a prompt is its plain text (no ChatML, no end token), split
+    by the model's own pre-tokenizer (digits one by one), as the model was fine-tuned on plain text."""
+    from omegaconf import OmegaConf
+    from torchtune import config
+    from torchtune.data import Message
+
+    hf_dir, _, _, _ = converted["tied_f32"]
+    files = {
+        "path": str(hf_dir / "vocab.json"),
+        "merges_file": str(hf_dir / "merges.txt"),
+        "special_tokens_path": str(hf_dir / "torchtune_special_tokens.json"),
+    }
+    plain = config.instantiate(OmegaConf.create({"_component_": "torchtune_dtf.models.qwen2_5.gguf_qwen2_5_base_tokenizer", **files}))
+    chat = g2h.load_torchtune_tokenizer(hf_dir)
+    text = "of the 1234"
+    expected = chat.encode(text, add_bos=False, add_eos=False)
+    assert plain.pre_tokenizer == "smollm" and len(expected) == 7  # "of", " the", " ", "1", "2", "3", "4"
+    prompt = plain({"messages": [Message("user", text), Message("assistant", "")]}, inference=True)["tokens"]
+    assert prompt == expected
+    chat_prompt = chat({"messages": [Message("user", text), Message("assistant", "")]}, inference=True)["tokens"]
+    assert chat_prompt[0] == chat.im_start_id and chat_prompt != expected  # what the stock tokenizer would feed
+
+
+def test_tokenizer_only_writes_six_files_and_hf_dirs_convert_identically(converted, tmp_path):
     hf_dir, _, _, path = converted["tied_f32"]
     g2h.main(["--gguf", str(path), "--out", str(tmp_path / "tok"), "--tokenizer-only"])
     assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(
@@ -481,7 +506,7 @@ def test_tokenizer_only_cli_and_hf_source(converted, tmp_path):
     assert (tmp_path / "from_hf" / "vocab.json").read_bytes() == (hf_dir / "vocab.json").read_bytes()
 
 
-def test_special_token_aliases_for_models_without_qwen_names():
+def test_models_without_qwen_special_names_get_eos_and_bos_aliases():
     spec = g2h.BPETokenizerSpec(
         tokens=["<s>", "</s>", "a", "b"], merges=[], token_types=[3, 3, 1, 1], bos_id=0, eos_id=1
     )
@@ -587,7 +612,7 @@ def test_split_is_disjoint_and_deterministic(prepared, tmp_path):
     assert [w.work_id for w in held_w] == ["milton/garden_poem", "milton/orchard_collection"]
 
 
-def test_task_items(prepared):
+def test_task_items_have_one_true_next_sentence_among_four(prepared):
     out, manifest = prepared
     items = _read_jsonl(out / "lm_eval_tasks" / "heldout_next_sentence.jsonl")
     held_text = " ".join(" ".join(r["text"].split()) for r in _read_jsonl(out / "heldout.jsonl"))

@@ -1,4 +1,5 @@
-"""routed_finetune: training steps for every variant, loss weights, β schedule, resume, FSDP2, configs."""
+"""torchtune_dtf.recipes.routed_finetune (with torchtune_dtf.training.schedules, torchtune_dtf.evaluation.routing_report,
+torchtune_dtf._quiet): training steps for every variant, loss weights, β schedule, resume, FSDP2, configs."""
 
 import json
 import math
@@ -14,7 +15,7 @@ from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
 from tests.conftest import ROUTED_VARIANTS
-from torchtune_dtf.data.tokenizer_assets import write_qwen2_5_tokenizer_files
+from torchtune_dtf.offline.tokenizer_assets import write_qwen2_5_tokenizer_files
 from torchtune_dtf.modules import RoutingContext
 from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe, validate_recipe_config
 from torchtune_dtf.training.schedules import BetaSchedule, LossWeights
@@ -116,7 +117,7 @@ def test_loss_falls_on_a_repeated_batch(variant, workdir):
 # ------------------------------------------------------------------------------------------ schedules
 @pytest.mark.parametrize("kind", ["linear", "cosine"])
 @pytest.mark.parametrize("warmup", [0, 3])
-def test_beta_schedule_formula(kind, warmup):
+def test_beta_schedule_ramps_linearly_or_by_cosine_after_warmup(kind, warmup):
     total = 13
     schedule = BetaSchedule(kind, 0.1, 100.0, 0.5, 20.0, warmup, total)
     for step in range(total + 2):
@@ -142,7 +143,7 @@ def test_recipe_passes_the_scheduled_beta(workdir):
     assert recipe._beta_schedule.type == "cosine" and recipe._beta_schedule.total_steps == 4
 
 
-def test_loss_weight_warmup():
+def test_loss_weights_ramp_linearly_from_zero_over_warmup():
     weights = LossWeights(pred=0.05, causal=0.01, g_reg=0.001, warmup_steps=4)
     assert weights.at(0) == (0.0, 0.0, 0.0)
     assert weights.at(2) == pytest.approx((0.025, 0.005, 0.0005))
@@ -254,8 +255,8 @@ def test_two_process_fsdp2_trains_and_saves_a_loadable_checkpoint(workdir):
     assert torch.isfinite(logits).all()
 
 
-def test_routing_report_compares_dense_and_student(workdir, capsys):
-    from torchtune_dtf.training import routing_report
+def test_routing_report_gives_a_teacher_without_ties_or_position_bias(workdir, capsys):
+    from torchtune_dtf.evaluation import routing_report
 
     overrides = dict(max_steps_per_epoch=2, save_every_n_steps=1000, **{"validation.every_n_steps": 1000})
     for variant in ("dense", "stt"):
@@ -359,7 +360,7 @@ def readme_own_text_commands():
     return {command[command.index("--config") + 1]: command[command.index("--config") + 2:] for command in commands}
 
 
-def test_readme_own_text_overrides(workdir):
+def test_readme_own_text_overrides_load_the_users_files_in_the_recipe(workdir):
     from torchtune_dtf.recipes.routed_finetune import merge_overrides
 
     commands = readme_own_text_commands()

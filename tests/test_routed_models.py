@@ -1,4 +1,5 @@
-"""Behaviour of the routed models: parity with dense Qwen2, selection, isolation, causality, gradients."""
+"""torchtune_dtf.modules.{decoder, layers, routed_block, selection, surprise}: behaviour of the routed models: parity
+with dense Qwen2, selection, isolation, causality, gradients."""
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def test_topk_selects_exactly_k_with_deterministic_ties():
 
 
 @pytest.mark.parametrize("variant", ROUTED_VARIANTS)
-def test_teacher_topk_runs_floor_gamma_T_tokens_per_row(variant, tokens):
+def test_teacher_topk_runs_floor_gamma_t_tokens_per_row(variant, tokens):
     model = build_tiny(variant, capacity=0.3)
     ctx = teacher_ctx()
     model(tokens, routing=ctx)
@@ -128,7 +129,7 @@ def test_teacher_topk_runs_floor_gamma_T_tokens_per_row(variant, tokens):
         assert torch.equal(record.selected_mask, record.teacher_mask)
 
 
-def test_mask_selection_handles_ragged_rows():
+def test_mask_selection_pads_ragged_rows_and_marks_padding_invalid():
     mask = torch.tensor([[True, False, True, True], [False, False, False, True], [False] * 4])
     selection = mask_selection(mask)
     assert selection.positions.shape == (3, 3)

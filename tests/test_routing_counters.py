@@ -1,5 +1,5 @@
-"""Student routing counters: what each routed layer executed, readable after callers that cannot pass a
-``RoutingContext`` (torchtune's ``generate``, the eleuther_eval wrapper).
+"""torchtune_dtf.modules.{layers, decoder} (student routing counters): what each routed layer executed, readable
+after callers that cannot pass a ``RoutingContext`` (torchtune's ``generate``, the eleuther_eval wrapper).
 
 The reference everywhere is the ``selected_mask [b, s]`` the same forwards record in a RoutingContext."""
 
@@ -52,7 +52,7 @@ def test_counters_equal_the_selected_masks_without_cache(variant, tokens):
 
 
 @pytest.mark.parametrize("variant", COUNTED_VARIANTS)
-def test_counters_across_prefill_and_decode_with_the_selective_cache(variant, tokens):
+def test_counters_count_each_decoded_token_once_and_equal_the_cache_fill(variant, tokens):
     model = build_tiny(variant)
     model.setup_caches(batch_size=tokens.shape[0], dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
     _, executed = decode_incrementally(model, tokens, prompt_len=9)  # prefill of 9, then 15 one-token steps
@@ -65,7 +65,7 @@ def test_counters_across_prefill_and_decode_with_the_selective_cache(variant, to
         assert int(layer.attn.kv_cache.fill.sum()) == expected[layer.layer_idx][0]
 
 
-def test_counters_after_torchtune_generate():
+def test_counters_after_torchtune_generate_equal_its_routing_decisions():
     # What routed_generate.py reads: torchtune's generate() feeds the prompt, then each generated token
     # but the last, for every row (no stop tokens here, so all rows decode to the end).
     model = build_tiny("stt")
@@ -116,7 +116,7 @@ def test_teacher_and_dense_forwards_are_not_counted(tokens):
     assert counts(model) == mask_counts({i: r.selected_mask for i, r in ctx.layers.items()})
 
 
-def test_reset_state_dict_and_devices(tokens):
+def test_counters_stay_out_of_checkpoints_keep_int64_and_reset_to_zero(tokens):
     model = build_tiny("mod")
     model(tokens)
     assert counts(model)[1][1] == tokens.numel()

@@ -1,4 +1,5 @@
-"""Routing that means what it says (docs/design.md R1–R5): rankings that carry the surprise signal in the dtype
+"""torchtune_dtf.modules.{surprise, selection, layers, routers}, torchtune_dtf.{data.collate, models.routing_config, training.schedules}:
+routing that means what it says (docs/design.md R1–R5): rankings that carry the surprise signal in the dtype
 and at the β real configs reach, one gate semantics for training and inference, packed documents routed
 as if alone, student modes that refuse to do nothing or to cheat, pads that never take a budget slot."""
 
@@ -263,7 +264,7 @@ def test_packed_collate_gives_torchtunes_block_causal_mask():
     assert batch["input_pos"][0].tolist() == [0, 1, 2, 0, 1, 2]
 
 
-def test_per_sequence_budget_and_bounds():
+def test_segment_topk_gives_each_packed_sequence_its_own_budget():
     starts = torch.tensor([[True, False, False, True, False, False, False, True, False]])
     first, length = sequence_bounds(starts)
     assert first.tolist() == [[0, 0, 0, 3, 3, 3, 3, 7, 7]] and length.tolist() == [[3, 3, 3, 4, 4, 4, 4, 2, 2]]
@@ -319,7 +320,7 @@ def test_always_run_first_token_counts_in_the_capacity(variant, tokens):
         "position 0 is always selected anyway; the option would prove nothing")
 
 
-def test_named_placements():
+def test_named_placements_resolve_and_unknown_or_empty_ones_are_rejected():
     inner = validate_routing("stt", 30, **_routing(routed_layers="every_other_inner"))
     assert inner.routed_layers == list(range(1, 28, 2)) and 29 not in inner.routed_layers
     assert validate_routing("stt", 30, **_routing(routed_layers="every_other")).routed_layers[-1] == 29
@@ -338,12 +339,12 @@ def _routing(**overrides):
     ("always_run_first_token", "yes", "always_run_first_token must be True or False"),
     ("allow_noncausal_student_topk", 1, "allow_noncausal_student_topk must be True or False"),
 ])
-def test_new_routing_keys_are_validated(key, value, message):
+def test_bad_gate_and_boolean_routing_values_are_rejected(key, value, message):
     with pytest.raises(ValueError, match=message):
         validate_routing("mod", 4, **{**MOD_ROUTING, key: value})
 
 
-def test_missing_new_keys_are_named():
+def test_missing_gate_and_first_token_keys_are_named():
     routing = {k: v for k, v in MOD_ROUTING.items() if k not in ("gate", "always_run_first_token")}
     with pytest.raises(ValueError, match="missing required routing hyperparameter.*gate, always_run_first_token"):
         validate_routing("mod", 4, **routing)
@@ -358,7 +359,7 @@ def test_moving_average_restarts_at_every_sequence_start():
     torch.testing.assert_close(got, torch.cat(pieces, dim=1), rtol=1e-6, atol=0)
 
 
-def test_sequence_starts_from_left_padding_and_packing():
+def test_sequence_starts_mark_pads_first_tokens_and_packed_documents():
     padding = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
     starts = sequence_starts(get_position_ids_from_padding_mask(padding),
                              get_causal_mask_from_padding_mask(padding, 5), 0)

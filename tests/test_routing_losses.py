@@ -1,4 +1,5 @@
-"""training.routing_losses.training_loss: the one assembly of the routed objective (recipe and benchmarks)."""
+"""torchtune_dtf.training.routing_losses (and the parameter groups of torchtune_dtf.recipes.routed_finetune):
+training_loss, the one assembly of the routed objective (recipe and benchmarks)."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
-"""routing_plots and routing_report on tiny trained runs: every PNG, the heat map's data, config overrides, and
-base (never routed, stock HF) checkpoints."""
+"""torchtune_dtf.evaluation.{routing_plots, routing_report} on tiny trained runs: every PNG, the heat map's data,
+config overrides, and base (never routed, stock HF) checkpoints."""
 
 import math
 import os
@@ -11,9 +11,9 @@ from torchtune import config as tt_config
 
 from tests.test_recipe import TINY, load_config, run_recipe, train_assets  # noqa: F401  (session fixture)
 from torchtune_dtf.modules import RoutingContext
-from torchtune_dtf.training import routing_plots, routing_report
+from torchtune_dtf.evaluation import routing_plots, routing_report
 from torchtune_dtf.training.checkpointer import hf_weight_files
-from torchtune_dtf.training.routing_report import heldout_windows, load_config as load_run_config, load_trained
+from torchtune_dtf.evaluation.routing_report import heldout_windows, load_config as load_run_config, load_trained
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VARIANTS = ("stt", "mod", "dense")

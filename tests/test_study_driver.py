@@ -1,4 +1,5 @@
-"""The experiment driver (experiments/study.py) end to end on a micro study of the tiny model, offline.
+"""experiments/study.py (with torchtune_dtf.evaluation.metric_logs): the experiment driver end to end on a micro study
+of the tiny model, offline.
 
 Fast path: dense + STT, one seed of two, 2 steps each, no eleuther step: the run JSONs' fields, a rerun that
 skips finished runs (no retraining), and the aggregate README (tables, paired differences, partial study, plots).
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_recipe import train_assets  # noqa: F401,E402  (session fixture)
-from torchtune_dtf.training.metric_logs import parse_disk_logs
+from torchtune_dtf.evaluation.metric_logs import parse_disk_logs
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY_PY = REPO / "experiments" / "study.py"
@@ -107,7 +108,7 @@ def check_run_json(result, name, seed, variant):
     assert result["eleuther"] is None and result["wall_time_s"]["eleuther"] is None
 
 
-def test_micro_study_end_to_end(workdir):
+def test_micro_study_writes_runs_skips_finished_ones_and_flags_stale_ones(workdir):
     study = write_study(workdir, seeds=[0, 1], runs=RUNS)
     proc = driver(workdir, "run", str(study), "--only", "dense", "stt", "--seeds", "0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -198,7 +199,7 @@ def test_micro_study_end_to_end(workdir):
 
 
 @pytest.mark.slow
-def test_study_eleuther_step(workdir):
+def test_study_eleuther_step_evaluates_the_final_checkpoint_offline(workdir):
     eleuther = {"config": str(TINY / "eval_stt.yaml"), "tasks": ["tiny_routed_mc"], "limit": None}
     study = write_study(workdir, seeds=[0], runs=[RUNS[1]], eleuther=eleuther, keep_checkpoints=False)
     proc = driver(workdir, "run", str(study))
@@ -260,7 +261,7 @@ def test_killed_study_resumes_training_from_its_checkpoint(workdir):
     assert disk_logs[-1].read_text().startswith(f"Step {killed_at + 1} |")
 
 
-def test_training_state_and_schedule(tmp_path):
+def test_done_needs_marker_and_checkpoint_and_schedule_divides_steps(tmp_path):
     study = load_driver()
     assert study.training_state(tmp_path / "absent") == "fresh"
     (tmp_path / "run").mkdir()
@@ -272,7 +273,7 @@ def test_training_state_and_schedule(tmp_path):
     assert [study.schedule_every(s, 4) for s in (1, 2, 3, 40, 100, 200, 7)] == [1, 1, 1, 10, 25, 50, 7]
 
 
-def test_aggregate_statistics_and_log_parsing(tmp_path):
+def test_paired_t_interval_and_parsed_logs_and_tables_equal_hand_values(tmp_path):
     study = load_driver()
     pd = study.paired_difference([1.0, 2.0, 3.0])
     assert pd["mean"] == 2.0 and pd["sd"] == 1.0 and pd["se"] == pytest.approx(1 / math.sqrt(3))
@@ -296,7 +297,7 @@ def test_aggregate_statistics_and_log_parsing(tmp_path):
                                                                     "acc_norm_stderr": 0.2887}}
 
 
-def test_example_study_dry_run():
+def test_example_study_dry_run_plans_six_runs_without_training():
     """The shipped example study loads and plans its commands (no training)."""
     example = REPO / "experiments" / "studies" / "quickstart_pair.yaml"
     proc = subprocess.run([sys.executable, str(STUDY_PY), "run", str(example), "--dry-run"], cwd=REPO,

@@ -13,7 +13,7 @@ imported, which is also why one of them cannot always act:
 * torchdata's ``StatefulDataLoader`` (the recipe's data loader) calls ``torch.set_vital``, which torch 2.13
   deprecates: a ``UserWarning`` about torchdata's own code on every training run.
 * lm-eval 0.4.9.1's ``HFLM`` passes ``torch_dtype=`` when torchtune's stock eval wrapper makes it load the
-  ``gpt2`` stand-in (:mod:`torchtune_dtf.data.lm_eval_offline`, thrown away right after); transformers 4.57
+  ``gpt2`` stand-in (:mod:`torchtune_dtf.offline.lm_eval_standin`, thrown away right after); transformers 4.57
   answers with "`torch_dtype` is deprecated! Use `dtype` instead!".
 """
 

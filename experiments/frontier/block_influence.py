@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torchtune import config, training
 
-from torchtune_dtf.training.routing_report import heldout_windows
+from torchtune_dtf.evaluation.routing_report import heldout_windows
 
 
 @torch.no_grad()

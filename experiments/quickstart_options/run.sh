@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The routing options of docs/design.md R2/R5 measured on the quickstart (issue 12): each run fine-tunes SmolLM2-135M
 # as STT (γ = 0.5) for the quickstart's steps with one option changed from the papers' setting, then
-# `python -m torchtune_dtf.training.routing_report` scores it against the dense control on the held-out works
+# `python -m torchtune_dtf.evaluation.routing_report` scores it against the dense control on the held-out works
 # (student = the deployed causal routing) and writes one JSON per run next to this script.
 #
 #   bash scripts/quickstart.sh                      # once: .venv, SmolLM2 → HF, corpus (and the dense control)
@@ -57,7 +57,7 @@ for name in "${NAMES[@]}"; do
         "${common[@]}" checkpointer.routing_init_seed="$SEED" ${RUNS[$name]}
     train_s=$(( $(date +%s) - start ))
     # The report rebuilds the model from the config the recipe saved (overrides included).
-    "$PY" -m torchtune_dtf.training.routing_report \
+    "$PY" -m torchtune_dtf.evaluation.routing_report \
         --dense configs/quickstart/dense_smollm2.yaml "$DENSE/epoch_0" \
         --routed "$WORK/$run/torchtune_config.yaml" "$WORK/$run/epoch_0" \
         --heldout quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256 \

@@ -14,7 +14,7 @@ padding apart from text: lm-eval's right padding of loglikelihood batches, the l
 generation batches, the rows of eos tokens the wrapper adds to fill a short generation batch, and the
 decode steps of rows that already stopped (torchtune's ``generate`` decodes until every row stops or
 ``max_gen_toks``). So these fractions describe the compute the routed layers spent in this evaluation,
-padding included; per-token routing on clean text is what ``torchtune_dtf.training.routing_report``
+padding included; per-token routing on clean text is what ``torchtune_dtf.evaluation.routing_report``
 measures.
 
 The results reach the JSON through a hook on this recipe's private copy of the stock module: its
@@ -28,7 +28,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 
-from torchtune_dtf.recipes.stock import load_stock_recipe, reset_routing_counters, routing_summary
+from torchtune_dtf.recipes.stock import load_stock_recipe, run_counting_routing
 
 RESULTS_FILE = "routed_eval_results.json"
 COUNTED = (
@@ -52,10 +52,7 @@ def recipe_main(cfg: DictConfig) -> None:
     stock.evaluate = evaluate_keeping_results  # this module object is private to this call
     recipe = stock.EleutherEvalRecipe(cfg=cfg)
     recipe.setup(cfg=cfg)
-    model = recipe.eleuther_model_wrapper.model
-    reset_routing_counters(model)
-    recipe.evaluate()
-    text, summary = routing_summary(model, COUNTED)
+    text, summary = run_counting_routing(recipe.eleuther_model_wrapper.model, recipe.evaluate, COUNTED)
     recipe.logger.info(text)
     if cfg.get("output_dir") and outputs and outputs[-1] is not None:
         path = Path(cfg.output_dir) / RESULTS_FILE

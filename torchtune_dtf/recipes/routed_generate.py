@@ -21,7 +21,7 @@ import sys
 from omegaconf import DictConfig
 from torchtune import config, utils
 
-from torchtune_dtf.recipes.stock import load_stock_recipe, reset_routing_counters, routing_summary
+from torchtune_dtf.recipes.stock import load_stock_recipe, run_counting_routing
 
 COUNTED = (
     "prompt tokens + one per decode step (the last generated token is never fed back); "
@@ -35,10 +35,8 @@ def main(cfg: DictConfig) -> None:
     stock = load_stock_recipe("generate")
     recipe = stock.InferenceRecipe(cfg=cfg)
     recipe.setup(cfg=cfg)
-    model = recipe._model  # the stock recipe's model (it has no public accessor)
-    reset_routing_counters(model)
-    recipe.generate(cfg=cfg)
-    text, _ = routing_summary(model, COUNTED)
+    # recipe._model: the stock recipe's model (it has no public accessor)
+    text, _ = run_counting_routing(recipe._model, lambda: recipe.generate(cfg=cfg), COUNTED)
     utils.get_logger(cfg.get("log_level", "INFO")).info(text)
 
 

@@ -12,7 +12,7 @@ import importlib.util
 import math
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 import torchtune
@@ -42,6 +42,14 @@ def reset_routing_counters(model: torch.nn.Module) -> None:
     """Zero the routed layers' student counters; nothing to do for a model that does not route."""
     if isinstance(model, RoutedTransformerDecoder):
         model.reset_routing_counters()
+
+
+def run_counting_routing(model: torch.nn.Module, run: Callable[[], Any], counted: str) -> Tuple[str, Dict[str, Any]]:
+    """Zero the routed layers' counters, call ``run()`` (the stock recipe's generate or evaluate) and return
+    :func:`routing_summary` of exactly that run."""
+    reset_routing_counters(model)
+    run()
+    return routing_summary(model, counted)
 
 
 def routing_summary(model: torch.nn.Module, counted: str) -> Tuple[str, Dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Routed Qwen2.5 models: the component builders, the 40 model builders and their architectures."""
+"""Routed Qwen2.5 models: the component builders, the 40 model builders, their architectures and tokenizers."""
 
 from torchtune_dtf.models.qwen2_5._component_builders import (
     ARCHITECTURE_KEYS,
@@ -50,10 +50,21 @@ from torchtune_dtf.models.qwen2_5._model_builders import (
     lora_stt_qwen2_5_tiny,
 )
 
-from torchtune_dtf.models.qwen2_5._tokenizer import Qwen2_5BaseTokenizer, qwen2_5_base_tokenizer
+from torchtune_dtf.models.qwen2_5._tokenizer import (
+    GGUFQwen2_5BaseTokenizer,
+    GGUFQwen2_5Tokenizer,
+    Qwen2_5BaseTokenizer,
+    gguf_qwen2_5_base_tokenizer,
+    gguf_qwen2_5_tokenizer,
+    qwen2_5_base_tokenizer,
+)
 
 __all__ = [
+    "GGUFQwen2_5BaseTokenizer",
+    "GGUFQwen2_5Tokenizer",
     "Qwen2_5BaseTokenizer",
+    "gguf_qwen2_5_base_tokenizer",
+    "gguf_qwen2_5_tokenizer",
     "qwen2_5_base_tokenizer",
     "ARCHITECTURE_KEYS",
     "Qwen2Architecture",

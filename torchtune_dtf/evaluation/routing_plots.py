@@ -1,6 +1,6 @@
 """Pictures of one fine-tuning run of ``routed_finetune``, from its metric logs and its checkpoint (PNG).
 
-    python -m torchtune_dtf.training.routing_plots --config quickstart_work/stt/torchtune_config.yaml \
+    python -m torchtune_dtf.evaluation.routing_plots --config quickstart_work/stt/torchtune_config.yaml \
         --heldout quickstart_work/corpus/heldout.jsonl [--out DIR] [--checkpoint DIR] [key=value ...]
 
 ``--config`` is the run's config: best the ``torchtune_config.yaml`` that the recipe saved in its ``output_dir``,
@@ -41,8 +41,8 @@ from torchtune_dtf.modules import (
     STTLayer,
 )
 from torchtune_dtf.training.checkpointer import checkpoint_folders
-from torchtune_dtf.training.metric_logs import metric_series, parse_disk_logs
-from torchtune_dtf.training.routing_report import (
+from torchtune_dtf.evaluation.metric_logs import metric_series, parse_disk_logs
+from torchtune_dtf.evaluation.routing_report import (
     command_line_overrides,
     heldout_windows,
     layer_report,
@@ -349,7 +349,7 @@ def plot_agreement(rows, routing: Dict[str, Any], path: Path, written: List[Path
 # ---------------------------------------------------------------------------------------------- command
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(
-        prog="python -m torchtune_dtf.training.routing_plots", description=__doc__.split("\n\n")[0],
+        prog="python -m torchtune_dtf.evaluation.routing_plots", description=__doc__.split("\n\n")[0],
         epilog="Other key=value (~key) arguments override the config as tune run does.",
     )
     parser.add_argument("--config", type=Path, required=True,

@@ -1,6 +1,6 @@
 """Compare fine-tuned dense and routed checkpoints on held-out text.
 
-    python -m torchtune_dtf.training.routing_report \
+    python -m torchtune_dtf.evaluation.routing_report \
         --dense configs/quickstart/dense_smollm2.yaml quickstart_work/dense/epoch_0 \
         --routed configs/quickstart/stt_smollm2.yaml quickstart_work/stt/epoch_0 \
         --heldout quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256 [key=value ...]
@@ -139,7 +139,7 @@ def layer_report(model, windows: torch.Tensor, beta_ce: float, beta_cu: float, b
 
 def main(argv: Optional[List[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(
-        prog="python -m torchtune_dtf.training.routing_report", description=__doc__.split("\n\n")[0],
+        prog="python -m torchtune_dtf.evaluation.routing_report", description=__doc__.split("\n\n")[0],
         epilog="Other key=value (~key) arguments override the routed config as tune run does; "
                "dense.key=value the dense one.",
     )

@@ -1,4 +1,5 @@
-"""Issue 13: nothing lost, nothing silently wrong — LoRA saves, shipped configs, checkpoints, resume, guards."""
+"""torchtune_dtf.recipes.routed_finetune, torchtune_dtf.training.checkpointer, torchtune_dtf.data.checks, torchtune_dtf.validate:
+issue 13, nothing lost, nothing silently wrong — LoRA saves, shipped configs, checkpoints, resume, guards."""
 
 import json
 import os

@@ -13,12 +13,12 @@ has no merges (ids 256–50255 hold placeholders that no text can produce). Two 
    existing local path as a model directory and never contacts the hub); the default, git-ignored in the
    repository root, from where the README runs every command::
 
-       python -m torchtune_dtf.data.lm_eval_offline       # writes ./gpt2/ (--workdir DIR: DIR/gpt2/)
+       python -m torchtune_dtf.offline.lm_eval_standin       # writes ./gpt2/ (--workdir DIR: DIR/gpt2/)
        tune run eleuther_eval --config ...
 
 2. a pre-seeded Hugging Face cache with the hub switched off (nothing in the working directory)::
 
-       python -m torchtune_dtf.data.lm_eval_offline --hf-home /path/to/hf_home
+       python -m torchtune_dtf.offline.lm_eval_standin --hf-home /path/to/hf_home
        HF_HOME=/path/to/hf_home HF_HUB_OFFLINE=1 tune run eleuther_eval --config ...
 
    Use a dedicated ``HF_HOME``: the stand-in is registered as the cached revision ``main`` of
@@ -53,7 +53,7 @@ STANDIN_REVISION = hashlib.sha1(b"torchtune_dtf gpt2 offline stand-in v1").hexdi
 PathLike = Union[str, os.PathLike]
 
 _README = """\
-Offline stand-in for the Hugging Face model `gpt2`, written by torchtune_dtf.data.lm_eval_offline.
+Offline stand-in for the Hugging Face model `gpt2`, written by torchtune_dtf.offline.lm_eval_standin.
 torchtune's eleuther_eval recipe constructs lm-eval's HFLM with pretrained="gpt2" and then replaces
 model and tokenizer with its own; this tiny random GPT-2 only lets that constructor run offline.
 It is NOT GPT-2: never use it as a model.
@@ -85,7 +85,7 @@ def write_gpt2_standin(directory: PathLike) -> Path:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
-    from torchtune_dtf.data.tokenizer_assets import bytes_to_unicode
+    from torchtune_dtf.offline.tokenizer_assets import bytes_to_unicode
 
     directory = Path(directory)
     if (directory / "config.json").exists() and not is_standin(directory):
@@ -162,7 +162,7 @@ def seed_hf_cache(hf_home: PathLike) -> Path:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m torchtune_dtf.data.lm_eval_offline",
+        prog="python -m torchtune_dtf.offline.lm_eval_standin",
         description="Write the offline `gpt2` stand-in that torchtune's eleuther_eval recipe needs "
         "(its eval wrapper constructs lm-eval's HFLM with pretrained='gpt2').",
     )

