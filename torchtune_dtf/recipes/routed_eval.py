@@ -28,7 +28,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 
-from torchtune_dtf.recipes.stock import load_stock_recipe, run_counting_routing
+from torchtune_dtf.recipes.stock import load_stock_recipe, log_config_if_asked, run_counting_routing
 
 RESULTS_FILE = "routed_eval_results.json"
 COUNTED = (
@@ -39,7 +39,7 @@ COUNTED = (
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    config.log_config(recipe_name="RoutedEleutherEvalRecipe (stock EleutherEvalRecipe + routing counters)", cfg=cfg)
+    log_config_if_asked("RoutedEleutherEvalRecipe (stock EleutherEvalRecipe + routing counters)", cfg)
     stock = load_stock_recipe("eleuther_eval")
     outputs = []
     lm_eval_evaluate = stock.evaluate

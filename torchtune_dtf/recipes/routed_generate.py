@@ -21,7 +21,7 @@ import sys
 from omegaconf import DictConfig
 from torchtune import config, utils
 
-from torchtune_dtf.recipes.stock import load_stock_recipe, run_counting_routing
+from torchtune_dtf.recipes.stock import load_stock_recipe, log_config_if_asked, run_counting_routing
 
 COUNTED = (
     "prompt tokens + one per decode step (the last generated token is never fed back); "
@@ -31,7 +31,7 @@ COUNTED = (
 
 @config.parse
 def main(cfg: DictConfig) -> None:
-    config.log_config(recipe_name="RoutedInferenceRecipe (stock InferenceRecipe + routing counters)", cfg=cfg)
+    log_config_if_asked("RoutedInferenceRecipe (stock InferenceRecipe + routing counters)", cfg)
     stock = load_stock_recipe("generate")
     recipe = stock.InferenceRecipe(cfg=cfg)
     recipe.setup(cfg=cfg)

@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 import torchtune
+from omegaconf import DictConfig
+from torchtune import config
 from torchtune._recipe_registry import get_all_recipes
 
 from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
@@ -36,6 +38,13 @@ def load_stock_recipe(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def log_config_if_asked(recipe_name: str, cfg: DictConfig) -> None:
+    """The resolved config on the console only with ``print_config=True``, as in ``routed_finetune``: it is 60–110
+    lines before any output, and the config file the user passed already says it."""
+    if cfg.get("print_config", False):
+        config.log_config(recipe_name=recipe_name, cfg=cfg)
 
 
 def reset_routing_counters(model: torch.nn.Module) -> None:
