@@ -461,7 +461,7 @@ def test_torchtune_and_transformers_tokenizers_agree_and_round_trip(converted):
     assert chat == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_gguf_base_tokenizer_prompt_is_plain_text_split_as_the_model_splits(converted):
+def test_gguf_plain_text_tokenizer_prompt_is_split_as_the_model_splits(converted):
     """The quickstart generate config's tokenizer: a prompt is its plain text (no ChatML, no end token), split
     by the model's own pre-tokenizer (digits one by one), as the model was fine-tuned on plain text."""
     from omegaconf import OmegaConf
@@ -474,7 +474,9 @@ def test_gguf_base_tokenizer_prompt_is_plain_text_split_as_the_model_splits(conv
         "merges_file": str(hf_dir / "merges.txt"),
         "special_tokens_path": str(hf_dir / "torchtune_special_tokens.json"),
     }
-    plain = config.instantiate(OmegaConf.create({"_component_": "torchtune_dtf.models.qwen2_5.gguf_qwen2_5_base_tokenizer", **files}))
+    plain = config.instantiate(
+        OmegaConf.create({"_component_": "torchtune_dtf.models.qwen2_5.gguf_qwen2_5_tokenizer", "plain_text": True, **files})
+    )
     chat = g2h.load_torchtune_tokenizer(hf_dir)
     text = "of the 1234"
     expected = chat.encode(text, add_bos=False, add_eos=False)

@@ -54,7 +54,6 @@ from torchtune_dtf.models.qwen2_5._tokenizer import (
     GGUFQwen2_5BaseTokenizer,
     GGUFQwen2_5Tokenizer,
     Qwen2_5BaseTokenizer,
-    gguf_qwen2_5_base_tokenizer,
     gguf_qwen2_5_tokenizer,
     qwen2_5_base_tokenizer,
 )
@@ -63,7 +62,6 @@ __all__ = [
     "GGUFQwen2_5BaseTokenizer",
     "GGUFQwen2_5Tokenizer",
     "Qwen2_5BaseTokenizer",
-    "gguf_qwen2_5_base_tokenizer",
     "gguf_qwen2_5_tokenizer",
     "qwen2_5_base_tokenizer",
     "ARCHITECTURE_KEYS",

@@ -1,7 +1,7 @@
 """Qwen2.5 tokenizers for base models and for checkpoints converted from GGUF.
 
-:class:`GGUFQwen2_5Tokenizer` (builder :func:`gguf_qwen2_5_tokenizer`; plain-text messages:
-:func:`gguf_qwen2_5_base_tokenizer`) is torchtune's Qwen2.5 tokenizer with the
+:class:`GGUFQwen2_5Tokenizer` (builder :func:`gguf_qwen2_5_tokenizer`; with ``plain_text=True``
+:class:`GGUFQwen2_5BaseTokenizer`) is torchtune's Qwen2.5 tokenizer with the
 source model's own pre-tokenizer, for byte-level BPE models converted by :mod:`torchtune_dtf.offline.gguf_to_hf`
 (e.g. SmolLM2, whose pre-tokenizer splits digits and whitespace differently from Qwen's).
 
@@ -180,22 +180,6 @@ class GGUFQwen2_5BaseTokenizer(GGUFQwen2_5Tokenizer, Qwen2_5BaseTokenizer):  # n
     :class:`Qwen2_5BaseTokenizer`: for generating with a model fine-tuned on plain text."""
 
 
-def _gguf_tokenizer(cls, path, merges_file, special_tokens_path, max_seq_len, prompt_template, pre_tokenizer, **kwargs):
-    if pre_tokenizer is None:
-        pre_tokenizer = json.loads(Path(special_tokens_path).read_text(encoding="utf-8")).get("pre_tokenizer", "qwen2")
-    if prompt_template is not None:
-        prompt_template = _get_prompt_template(prompt_template)
-    return cls(
-        path=path,
-        merges_file=merges_file,
-        special_tokens=parse_hf_tokenizer_json(special_tokens_path),
-        max_seq_len=max_seq_len,
-        prompt_template=prompt_template,
-        pre_tokenizer=pre_tokenizer,
-        **kwargs,
-    )
-
-
 def gguf_qwen2_5_tokenizer(
     path: str,
     merges_file: str,
@@ -203,10 +187,14 @@ def gguf_qwen2_5_tokenizer(
     max_seq_len: Optional[int] = None,
     prompt_template=None,
     pre_tokenizer: Optional[str] = None,
+    plain_text: bool = False,
     **kwargs,
 ) -> GGUFQwen2_5Tokenizer:
     """Tokenizer builder for configs: torchtune's Qwen2.5 tokenizer with a converted model's special tokens
     and the model's own pre-tokenizer (read from ``special_tokens_path`` unless given).
+
+    ``plain_text=True`` gives :class:`GGUFQwen2_5BaseTokenizer`: messages are their plain text (no chat markup,
+    no end token on a prompt), for generating with a model fine-tuned on plain text.
 
     Example config::
 
@@ -217,24 +205,17 @@ def gguf_qwen2_5_tokenizer(
           special_tokens_path: DIR/torchtune_special_tokens.json
           max_seq_len: 512
     """
-    return _gguf_tokenizer(
-        GGUFQwen2_5Tokenizer, path, merges_file, special_tokens_path, max_seq_len, prompt_template, pre_tokenizer,
+    if pre_tokenizer is None:
+        pre_tokenizer = json.loads(Path(special_tokens_path).read_text(encoding="utf-8")).get("pre_tokenizer", "qwen2")
+    if prompt_template is not None:
+        prompt_template = _get_prompt_template(prompt_template)
+    tokenizer_class = GGUFQwen2_5BaseTokenizer if plain_text else GGUFQwen2_5Tokenizer
+    return tokenizer_class(
+        path=path,
+        merges_file=merges_file,
+        special_tokens=parse_hf_tokenizer_json(special_tokens_path),
+        max_seq_len=max_seq_len,
+        prompt_template=prompt_template,
+        pre_tokenizer=pre_tokenizer,
         **kwargs,
-    )
-
-
-def gguf_qwen2_5_base_tokenizer(
-    path: str,
-    merges_file: str,
-    special_tokens_path: str,
-    max_seq_len: Optional[int] = None,
-    prompt_template=None,
-    pre_tokenizer: Optional[str] = None,
-    **kwargs,
-) -> GGUFQwen2_5BaseTokenizer:
-    """:func:`gguf_qwen2_5_tokenizer` whose messages are plain text (no chat markup, no end token on a prompt):
-    the generate configs' tokenizer for a converted model fine-tuned on plain text. Same arguments."""
-    return _gguf_tokenizer(
-        GGUFQwen2_5BaseTokenizer, path, merges_file, special_tokens_path, max_seq_len, prompt_template,
-        pre_tokenizer, **kwargs,
     )
