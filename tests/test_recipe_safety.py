@@ -458,25 +458,33 @@ def test_validate_cli_checks_what_the_recipe_checks_without_training(workdir):  
     assert finished.returncode == 1 and "finished run" in finished.stderr
 
 
-def test_lora_kill_and_resume_matches_uninterrupted(workdir):  # noqa: F811
-    """LoRA resumes from the adapter and routing of its own checkpoint onto an untouched base: exact."""
-    overrides = dict(max_steps_per_epoch=6, save_every_n_steps=2, gradient_accumulation_steps=1)
-    full = run_recipe(load_config("lora_stt_train", output_dir="./uninterrupted", **overrides))
+@pytest.mark.parametrize(
+    "config_name, extra, crash_after_step",
+    [
+        ("stt_train", {"save_every_n_steps": 3}, 4),  # after the step-3 checkpoint, before step 5
+        # LoRA resumes from the adapter and routing of its own checkpoint onto an untouched base
+        ("lora_stt_train", {"save_every_n_steps": 2, "gradient_accumulation_steps": 1}, 3),
+    ],
+)
+def test_kill_and_resume_matches_uninterrupted(workdir, config_name, extra, crash_after_step):  # noqa: F811
+    """A run killed between checkpoints and resumed ends with exactly the weights of an uninterrupted run."""
+    overrides = dict(max_steps_per_epoch=6, **extra)
+    full = run_recipe(load_config(config_name, output_dir="./uninterrupted", **overrides))
     expected = {k: v.clone() for k, v in full._model.state_dict().items()}
 
-    crashed = RoutedFinetuneRecipe(load_config("lora_stt_train", **overrides))
-    crashed.setup(load_config("lora_stt_train", **overrides))
+    crashed = RoutedFinetuneRecipe(load_config(config_name, **overrides))
+    crashed.setup(load_config(config_name, **overrides))
     real_step = crashed._optimizer.step
 
     def step_then_crash(*args, **kwargs):
         real_step(*args, **kwargs)
-        if crashed.global_step == 3:  # after the step-2 checkpoint, before step 4
+        if crashed.global_step == crash_after_step:
             raise KeyboardInterrupt
 
     crashed._optimizer.step = step_then_crash
     with pytest.raises(KeyboardInterrupt):
         crashed.train()
-    resumed = run_recipe(load_config("lora_stt_train", resume_from_checkpoint=True, **overrides))
+    resumed = run_recipe(load_config(config_name, resume_from_checkpoint=True, **overrides))
     assert resumed.global_step == 6
     state = resumed._model.state_dict()
     for name, value in expected.items():
