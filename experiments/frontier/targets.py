@@ -13,7 +13,8 @@ the margin the issue names:
 1. best routed < layer dropping and < random routing by more than 2 standard errors of the paired difference;
 2. at ≈ 0.81: (papers − best) / (papers − dense) ≥ 0.70 (mean over seeds);
 3. at ≈ 0.90: best − dense < 0.10 nats;
-4. surprise (best SDT/STT) vs MoD (best MoD) at each level: the paired difference, either way.
+4. surprise (best SDT/STT) vs MoD (best MoD) at each level: the paired difference, either way; and for every
+   SDT/STT run whose recipe also ran with MoD (``stt_X`` and ``mod_X``), that same-recipe difference.
 """
 
 import argparse
@@ -114,6 +115,13 @@ def main() -> str:
             pd = paired(losses[s_best], losses[m_best])
             answered = "answered" if pd["n"] >= SEEDS_NEEDED else f"not yet ({pd['n']}/{SEEDS_NEEDED} seeds)"
             lines.append(f"| {level} | surprise vs MoD (answered either way) | {s_best} − {m_best} | {fmt(pd)} | {answered} |")
+        # The same recipe (placement and techniques) with MoD's router instead of the surprise decision.
+        for name in surprise:
+            twin = "mod_" + name.split("_", 1)[1]
+            if twin in mod and (name, twin) != (s_best, m_best):  # the best pair is the row above
+                pd = paired(losses[name], losses[twin])
+                answered = "answered" if pd["n"] >= SEEDS_NEEDED else f"not yet ({pd['n']}/{SEEDS_NEEDED} seeds)"
+                lines.append(f"| {level} | surprise vs MoD, same recipe | {name} − {twin} | {fmt(pd)} | {answered} |")
     if off_budget:
         lines += ["", "Off budget (mean forward FLOPs ratio not within ±0.03 of a level): "
                   + ", ".join(f"`{n}` {flops_ratio(runs[n]):.3f}" for n in off_budget)]
