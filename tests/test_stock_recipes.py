@@ -693,3 +693,18 @@ def test_tune_run_routed_eval_prints_and_saves_executed_fractions(workdir):
     assert {int(k): round(v, 4) for k, v in routing["executed_fraction"].items()} == fractions
     assert round(routing["mean_executed_fraction"], 4) == mean
     assert "padding included" in routing["counted"]
+
+
+def test_config_is_printed_only_with_print_config(capsys, caplog):
+    """Our recipes and wrappers keep the 60–110-line config dump off the console unless print_config=True."""
+    from omegaconf import OmegaConf
+
+    from torchtune_dtf.recipes.stock import log_config_if_asked
+
+    with caplog.at_level("INFO"):
+        log_config_if_asked("SomeRecipe", OmegaConf.create({"seed": 1}))
+        quiet = capsys.readouterr().out + capsys.readouterr().err + caplog.text
+        log_config_if_asked("SomeRecipe", OmegaConf.create({"seed": 1, "print_config": True}))
+        printed = capsys.readouterr().out + capsys.readouterr().err + caplog.text
+    assert "SomeRecipe" not in quiet
+    assert "Running SomeRecipe with resolved config" in printed and "seed: 1" in printed

@@ -63,6 +63,7 @@ from torchtune_dtf.models.routing_config import REQUIRED_KEYS as ROUTING_KEYS, S
 from torchtune_dtf.modules import ROUTING_MODULE_GROUPS, routing_group_of
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import RoutingContext
+from torchtune_dtf.recipes.stock import log_config_if_asked
 from torchtune_dtf.training.calibration import batch_for_calibration, calibrate_to_teacher
 from torchtune_dtf.training.checkpointer import RUN_ID_KEY, STEP_KEY, routed_adapter_state_dict
 from torchtune_dtf.training.routing_losses import distillation_loss, routing_metrics, training_loss
@@ -948,10 +949,8 @@ def recipe_main(cfg: DictConfig) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
-    # The resolved config is 100+ lines on the console before any work, and the metric logger saves it as
-    # output_dir/torchtune_config.yaml anyway (setup names the file); `print_config=True` prints it as well.
-    if cfg.get("print_config", False):
-        config.log_config(recipe_name="RoutedFinetuneRecipe", cfg=cfg)
+    # The metric logger saves the resolved config as output_dir/torchtune_config.yaml (setup names the file).
+    log_config_if_asked("RoutedFinetuneRecipe", cfg)
     recipe = RoutedFinetuneRecipe(cfg=cfg)
     recipe.setup(cfg=cfg)
     recipe.train()

@@ -1,6 +1,7 @@
 """Composition with torchtune's stock recipes, for the thin routed wrappers (``routed_generate.py``,
 ``routed_eval.py``): load a stock recipe module as ``tune run <name>`` would run it, and report what the
-routed layers executed while it ran.
+routed layers executed while it ran; and the config-printing rule this package's recipes share
+(:func:`log_config_if_asked`).
 
 torchtune's ``recipes/`` folder is not importable as a package (its ``__init__.py`` raises), so the
 module is loaded from the file ``tune run`` itself resolves (``<torchtune's parent>/recipes/<file>`` from
@@ -41,8 +42,8 @@ def load_stock_recipe(name: str) -> ModuleType:
 
 
 def log_config_if_asked(recipe_name: str, cfg: DictConfig) -> None:
-    """The resolved config on the console only with ``print_config=True``, as in ``routed_finetune``: it is 60–110
-    lines before any output, and the config file the user passed already says it."""
+    """The resolved config on the console only with ``print_config=True`` (this package's recipes and wrappers):
+    it is 60–110 lines before any output, and the config file the user passed already says it."""
     if cfg.get("print_config", False):
         config.log_config(recipe_name=recipe_name, cfg=cfg)
 
