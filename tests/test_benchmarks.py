@@ -357,3 +357,13 @@ def test_distillation_teacher_flops_reported_apart():
     assert plain["distillation_teacher_flops_per_token"] == 0.0
     assert distilled["distillation_teacher_flops_per_token"] == cf.forward_flops(TOY, cf.RoutingShape.dense(), 16)["total"] / 16
     assert distilled["forward_flops_per_token"] == plain["forward_flops_per_token"]
+
+
+def test_closed_form_and_model_give_each_listed_layer_its_own_capacity():
+    # routed_layers written out of order (as block-influence placements are) with one γ per layer.
+    shape = cf.model_shape("tiny")
+    routing = routing_for("stt", routed_layers=[3, 1], capacity=[0.25, 0.75])
+    rshape = cf.routing_shape_from_model_config({"variant": "stt", **routing}, shape.num_layers, shape.embed_dim)
+    model = build_like(build_dense("tiny"), "stt", "tiny", **routing)
+    built = {i: layer.capacity for i, layer in enumerate(model.layers) if hasattr(layer, "capacity")}
+    assert rshape.gamma_of() == built == {1: 0.75, 3: 0.25}

@@ -437,3 +437,20 @@ def test_quiet_filters_drop_exactly_their_messages(caplog):
         for module in ("torchdata.stateful_dataloader.stateful_dataloader", "user_code"):
             warnings.warn_explicit("'set_vital' is deprecated, please do not call", UserWarning, "x.py", 1, module=module)
     assert [w.filename for w in caught] == ["x.py"] and len(caught) == 1
+
+
+def test_per_layer_capacity_reaches_each_listed_layer_through_training_and_calibration(workdir):
+    # routed_layers listed out of index order with one γ each (as block-influence placements are written):
+    # the teacher must select each layer's own share, and calibration must bring each student to it.
+    cfg = load_config("stt_train", **{"model.routed_layers": [3, 1], "model.capacity": [0.25, 0.75],
+                                      "capacity_curriculum.ramp_steps": 2})
+    run_recipe(cfg)
+    log = read_log(workdir)
+    last = log[4]
+    assert last["routing/layer_1/teacher_fraction"] == pytest.approx(0.75, abs=0.03)
+    assert last["routing/layer_3/teacher_fraction"] == pytest.approx(0.25, abs=0.03)
+    calibrated = {k: v for row in log.values() for k, v in row.items() if k.startswith("calibration/")}
+    assert calibrated["calibration/target_layer_1"] > calibrated["calibration/target_layer_3"] + 0.3
+    for layer in (1, 3):
+        assert calibrated[f"calibration/after_layer_{layer}"] == pytest.approx(
+            calibrated[f"calibration/target_layer_{layer}"], abs=0.1)

@@ -368,3 +368,12 @@ def test_sequence_starts_mark_pads_first_tokens_and_packed_documents():
     packed = padded_collate_packed_dense([_pack([torch.arange(1, 4), torch.arange(1, 3)], pad_len=2)])
     starts = sequence_starts(packed["input_pos"], packed["mask"], 0)
     assert starts.tolist() == [[True, False, False, True, False, True, False]]  # the pad block starts too
+
+
+def test_per_layer_capacity_follows_the_layers_in_the_order_the_config_lists_them():
+    # A placement written by block influence is not sorted; each γ must stay with its own layer.
+    spec = validate_routing("stt", 30, **_routing(routed_layers=[14, 2, 25], capacity=[0.25, 0.75, 0.5]))
+    assert spec.routed_layers == [2, 14, 25]
+    assert dict(zip(spec.routed_layers, spec.capacity)) == {14: 0.25, 2: 0.75, 25: 0.5}
+    named = validate_routing("stt", 8, **_routing(routed_layers="every_other_inner", capacity=[0.25, 0.5, 0.75]))
+    assert dict(zip(named.routed_layers, named.capacity)) == {1: 0.25, 3: 0.5, 5: 0.75}

@@ -19,8 +19,10 @@ ORDER=(
   # ≈ 0.81 of dense: baselines and the best recipe so far, three seeds
   dense:0 dense:1 dense:2 layerdrop_7:0 layerdrop_7:1 layerdrop_7:2 random_50:0 random_50:1 random_50:2
   stt_bi14_all:0 mod_bi14_all:0 stt_bi14_all:1 mod_bi14_all:1 stt_bi14_all:2 mod_bi14_all:2
-  # the papers' recipe and a first read of ≈ 0.90 (cheap baselines first), then the remaining seeds
-  stt_papers_50:0 layerdrop_4:0 random_75:0 stt_bi8_all:0 stt_papers_50:1 stt_papers_50:2
+  # graded capacity (can token routing beat dropping whole layers?), the papers' recipe and a first read of
+  # ≈ 0.90 (cheap baselines first), then the remaining seeds
+  stt_bi14_graded_all:0 stt_papers_50:0 layerdrop_4:0 random_75:0 stt_bi8_all:0
+  stt_bi14_graded_all:1 stt_bi14_graded_all:2 stt_papers_50:1 stt_papers_50:2
   # ≈ 0.72, then the remaining seeds of both levels
   layerdrop_10:0 stt_bi20_all:0 random_25:0
   layerdrop_4:1 stt_bi8_all:1 random_75:1 layerdrop_10:1 stt_bi20_all:1 random_25:1

@@ -32,7 +32,7 @@ COMMON_KEYS = (
 )
 #: ``routed_layers`` / ``dropped_layers``: a name from ``PLACEMENTS`` or a list of layer indices.
 Placement = Union[str, List[int]]
-#: ``capacity``: one γ for every routed layer, or one γ per routed layer.
+#: ``capacity``: one γ for every routed layer, or one γ per routed layer in the order ``routed_layers`` lists them.
 Capacity = Union[float, List[float]]
 
 #: Named placements of ``routed_layers`` (a list of indices is the alternative).
@@ -169,8 +169,13 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
             capacities = [float(as_list[0])] * len(layers)
         elif len(as_list) != len(layers):
             problems.append(f"capacity lists {len(as_list)} values but there are {len(layers)} routed layers")
-        else:
-            capacities = [float(c) for c in as_list]
+        elif not problems:
+            # γ_i belongs to the i-th layer as the config lists them, not to the i-th smallest index: a
+            # placement written in any order (e.g. by block influence) keeps each layer's own capacity.
+            given = routing.get("routed_layers", layers)
+            listed = layers if isinstance(given, str) else [int(i) for i in given]
+            capacity_of = dict(zip(listed, as_list))
+            capacities = [float(capacity_of[i]) for i in layers]
 
     mode = values.get("student_routing_mode")
     if "student_routing_mode" in routing and mode not in ("threshold", "topk"):

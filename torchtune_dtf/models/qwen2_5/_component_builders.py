@@ -237,7 +237,8 @@ def routed_qwen2(
             ``"every_other_inner"`` (the same without the last layer) or a list of layer indices. SDT needs
             a non-routed layer before each routed one (its Decision layer).
         capacity (Union[float, List[float]]): γ ∈ (0, 1], the share of each sequence a routed layer runs
-            (the teacher's top-⌊γ·n⌋ of n tokens); one value, or one per routed layer.
+            (the teacher's top-⌊γ·n⌋ of n tokens); one value, or one per routed layer in the order
+            ``routed_layers`` lists them.
         student_routing_mode (str): how the causal router (the student) selects at inference:
             ``"threshold"`` (σ(r̃) > τ, token by token) or ``"topk"`` (per-sequence top-k on a cached
             prefill, the top ⌊γ·b⌋ rows per decoding step).
