@@ -1069,11 +1069,15 @@ def aggregate(out_dir: Path) -> Path:
         lines.append("| run | n | " + " | ".join(f"{label} mean | SE | 95 % CI" for _, label in paired_metrics) + " |")
         lines.append("|" + "---|" * (2 + 3 * len(paired_metrics)))
         base_by_seed = {r["seed"]: r for r in runs.get(base, [])}
+        unpaired = []
         for n in order:
             if n == base:
                 continue
             cells = [f"`{n}`"]
             pairs = [(r, base_by_seed[r["seed"]]) for r in runs.get(n, []) if r["seed"] in base_by_seed]
+            if not pairs:
+                unpaired.append(f"`{n}`")
+                continue
             cells.append(str(len(pairs)))
             for metric, _ in paired_metrics:
                 fn = metric_of[metric]
@@ -1086,10 +1090,11 @@ def aggregate(out_dir: Path) -> Path:
                 cells.append("–" if pd["se"] is None else f"{pd['se']:.3f}")
                 cells.append("– (n < 2)" if pd["ci95"] is None else f"[{pd['ci95'][0]:+.3f}, {pd['ci95'][1]:+.3f}]")
             lines.append("| " + " | ".join(cells) + " |")
-        if not base_by_seed:
-            lines.append("")
-            lines.append(f"Baseline `{base}` has no finished seed yet: no pairs.")
         lines.append("")
+        if not base_by_seed:
+            lines += [f"Baseline `{base}` has no finished seed yet: no pairs.", ""]
+        elif unpaired:
+            lines += [f"No seed paired with `{base}` yet: {', '.join(unpaired)}.", ""]
 
     plots = make_plots(out_dir, order, runs, dense_names)
     titles = {"frontier.png": "Frontier: student held-out loss vs forward FLOPs ratio (dense: dashed line)",

@@ -306,3 +306,31 @@ def test_example_study_dry_run_plans_six_runs_without_training():
     lines = [line for line in proc.stdout.splitlines() if "would train" in line or "done, skipped" in line]
     assert len(lines) == 2 * 3
     assert "save_every_n_steps=10" in proc.stdout and "validation.every_n_steps=10" in proc.stdout
+
+
+def test_committed_frontier_results_aggregate_to_paired_tables_of_their_own_numbers(tmp_path):
+    # The real study's run files: each paired row is the per-seed difference of the two runs' JSONs, and a
+    # run with no seed in common with a baseline gets no row of dashes but one line naming it.
+    study = load_driver()
+    source = REPO / "experiments" / "frontier"
+    shutil.copytree(source / "runs", tmp_path / "runs")
+    shutil.copy(source / "study.json", tmp_path / "study.json")
+    readme = study.aggregate(tmp_path).read_text()
+    _, runs = study.load_results(tmp_path)
+    loss = lambda r: r["heldout"]["student_loss"]  # noqa: E731
+    expected_names = [r["name"] for r in json.loads((tmp_path / "study.json").read_text())["runs"]]
+    for base in ("layerdrop_7", "random_50"):
+        section = readme.split(f"## Paired differences against `{base}`")[1].split("\n## ")[0]
+        rows = {line.split("|")[1].strip(" `"): line.split("|") for line in section.splitlines() if line.startswith("| `")}
+        base_loss = {r["seed"]: loss(r) for r in runs[base]}
+        for name, results in runs.items():
+            diffs = [loss(r) - base_loss[r["seed"]] for r in results if r["seed"] in base_loss]
+            if name == base:
+                continue
+            assert name in rows, (base, name)
+            assert int(rows[name][2]) == len(diffs)
+            assert float(rows[name][3]) == pytest.approx(sum(diffs) / len(diffs), abs=6e-4)
+        unpaired = [n for n in expected_names if n != base and n not in runs]
+        assert not set(unpaired) & set(rows)
+        note = f"No seed paired with `{base}` yet: " + ", ".join(f"`{n}`" for n in unpaired) + "."
+        assert (note in section) if unpaired else ("No seed paired" not in section)
