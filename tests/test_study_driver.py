@@ -334,3 +334,45 @@ def test_committed_frontier_results_aggregate_to_paired_tables_of_their_own_numb
         assert not set(unpaired) & set(rows)
         note = f"No seed paired with `{base}` yet: " + ", ".join(f"`{n}`" for n in unpaired) + "."
         assert (note in section) if unpaired else ("No seed paired" not in section)
+
+
+def _load_targets():
+    spec = importlib.util.spec_from_file_location("frontier_targets", REPO / "experiments" / "frontier" / "targets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_frontier_targets_need_three_seeds_and_two_standard_errors(tmp_path):
+    # Hand-made run files at ≈ 0.81 of dense: per-seed losses chosen so each verdict is known in advance.
+    (tmp_path / "runs").mkdir()
+    table = {  # name: (variant, FLOPs ratio, loss per seed)
+        "dense": ("dense", 1.0, [4.0, 4.1, 4.2]),
+        "layerdrop_7": ("layerdrop", 0.81, [4.5, 4.6, 4.7]),
+        "random_50": ("random", 0.81, [5.5, 5.6, 5.7]),
+        "stt_papers_50": ("stt", 0.81, [6.0, 6.1, 6.2]),
+        "stt_a": ("stt", 0.82, [4.40, 4.52, 4.58]),      # − layerdrop: −0.10, −0.08, −0.12 → met
+        "mod_a": ("mod", 0.82, [4.41, 4.50, 4.60]),      # stt_a − mod_a: −0.01, +0.02, −0.02 → tie
+        "stt_new": ("stt", 0.80, [4.0]),                 # best by mean, one seed: not yet
+        "mod_far": ("mod", 0.60, [9.0, 9.0, 9.0]),       # at no level
+    }
+    for name, (variant, ratio, losses) in table.items():
+        for seed, loss in enumerate(losses):
+            (tmp_path / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
+                {"name": name, "seed": seed, "variant": variant, "compute": {"forward_flops_ratio": ratio},
+                 "heldout": {"student_loss": loss}}))
+    rows = {}
+    for line in _load_targets().targets_table(tmp_path).splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) > 5 and cells[1] == "0.81":
+            rows[(cells[2], cells[3])] = (cells[4], cells[5])
+    assert rows[("best < layerdrop_7 by > 2 se", "stt_new − layerdrop_7")][1] == "not yet (1/3 seeds)"
+    numbers, verdict = rows[("best with 3 seeds < layerdrop_7 by > 2 se", "stt_a − layerdrop_7")]
+    assert verdict == "met" and numbers.startswith("-0.100 ± 0.012 se (n = 3)")
+    assert rows[("best with 3 seeds < random_50 by > 2 se", "stt_a − random_50")][1] == "met"
+    # papers → dense gap closed by the best recipe (stt_new, seed 0 only): (6.0 − 4.0) / (6.0 − 4.0) = 100 %
+    assert rows[("closes ≥ 70 % of papers→dense gap", "stt_new vs stt_papers_50, dense")] == (
+        "100% closed (n = 1)", "not yet (1/3 seeds)")
+    assert rows[("surprise vs MoD (answered either way)", "stt_new − mod_a")][1] == "not yet (1/3 seeds)"
+    assert rows[("surprise vs MoD, same recipe", "stt_a − mod_a")][1] == "answered: no difference beyond 2 se"
+    assert "Off budget" in _load_targets().targets_table(tmp_path) and "`mod_far` 0.600" in _load_targets().targets_table(tmp_path)
