@@ -373,6 +373,8 @@ def test_frontier_targets_need_three_seeds_and_two_standard_errors(tmp_path):
     # papers → dense gap closed by the best recipe (stt_new, seed 0 only): (6.0 − 4.0) / (6.0 − 4.0) = 100 %
     assert rows[("closes ≥ 70 % of papers→dense gap", "stt_new vs stt_papers_50, dense")] == (
         "100% closed (n = 1)", "not yet (1/3 seeds)")
+    # stt_a: (6.0 − 4.40) / 2, (6.1 − 4.52) / 2, (6.2 − 4.58) / 2 → 80 % on three seeds
+    assert rows[("closes ≥ 70 % of papers→dense gap", "stt_a vs stt_papers_50, dense")] == ("80% closed (n = 3)", "met")
     assert rows[("surprise vs MoD (answered either way)", "stt_new − mod_a")][1] == "not yet (1/3 seeds)"
     assert rows[("surprise vs MoD, same recipe", "stt_a − mod_a")][1] == "answered: no difference beyond 2 se"
     assert "Off budget" in _load_targets().targets_table(tmp_path) and "`mod_far` 0.600" in _load_targets().targets_table(tmp_path)
