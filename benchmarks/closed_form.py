@@ -573,10 +573,9 @@ def routing_shape_from_model_config(model: Mapping, num_layers: int, embed_dim: 
             capacities = capacities * len(layers)
     if len(capacities) != len(layers):
         raise ValueError(f"capacity lists {len(capacities)} values for {len(layers)} routed layers")
-    if not isinstance(routing["routed_layers"], str):
-        # A per-layer γ belongs to the layer as the config lists it (the builder pairs them the same way).
-        capacity_of = dict(zip((int(i) for i in routing["routed_layers"]), capacities))
-        capacities = tuple(capacity_of[i] for i in layers)
+    from torchtune_dtf.models.routing_config import capacity_per_layer
+
+    capacities = tuple(capacity_per_layer(routing["routed_layers"], layers, capacities))
     has_router = variant in ("mod", "sdt", "stt")
     return RoutingShape(
         variant=variant,

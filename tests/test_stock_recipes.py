@@ -703,8 +703,10 @@ def test_config_is_printed_only_with_print_config(capsys, caplog):
 
     with caplog.at_level("INFO"):
         log_config_if_asked("SomeRecipe", OmegaConf.create({"seed": 1}))
-        quiet = capsys.readouterr().out + capsys.readouterr().err + caplog.text
+        captured = capsys.readouterr()
+        quiet = captured.out + captured.err + caplog.text
         log_config_if_asked("SomeRecipe", OmegaConf.create({"seed": 1, "print_config": True}))
-        printed = capsys.readouterr().out + capsys.readouterr().err + caplog.text
+        captured = capsys.readouterr()
+        printed = captured.out + captured.err + caplog.text
     assert "SomeRecipe" not in quiet
     assert "Running SomeRecipe with resolved config" in printed and "seed: 1" in printed

@@ -98,7 +98,8 @@ def targets_table(out_dir: Path) -> str:
         # three seeds already settled stays in the table.
         complete = [n for n in routed if len(losses[n]) >= SEEDS_NEEDED]
         best_complete = min(complete, key=lambda n: statistics.fmean(losses[n].values())) if complete else None
-        for candidate in [best] + ([best_complete] if best_complete not in (None, best) else []):
+        candidates = [best] + ([best_complete] if best_complete not in (None, best) else [])
+        for candidate in candidates:
             label = "best" if candidate == best else "best with 3 seeds"
             for baseline in (drop, f"random{LEVELS[level][0]}"):
                 if baseline not in losses:
@@ -110,7 +111,7 @@ def targets_table(out_dir: Path) -> str:
                              f"| {verdict(ok, pd['n'])} |")
         if level == "0.81":
             papers = losses.get("stt_papers_50", {})
-            for candidate in [best] + ([best_complete] if best_complete not in (None, best) else []):
+            for candidate in candidates:
                 seeds = sorted(set(papers) & set(dense) & set(losses[candidate]))
                 if seeds:
                     closed = [(papers[s] - losses[candidate][s]) / (papers[s] - dense[s]) for s in seeds]

@@ -114,6 +114,16 @@ def _resolve_layers(
     return layers
 
 
+def capacity_per_layer(routed_layers: Placement, layers: Sequence[int], capacities: Sequence[float]) -> List[float]:
+    """One γ per layer of ``layers`` (the resolved, sorted placement) from ``capacities``, which lists one γ per
+    layer in the order the config's ``routed_layers`` lists them, not in index order: a placement written in any
+    order (e.g. by block influence) keeps each layer's own capacity. The builder and the closed-form FLOPs both
+    pair them here."""
+    listed = list(layers) if isinstance(routed_layers, str) else [int(i) for i in routed_layers]
+    capacity_of = dict(zip(listed, capacities))
+    return [float(capacity_of[i]) for i in layers]
+
+
 def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSpec:
     """Check a variant's routing hyperparameters and resolve them.
 
@@ -170,12 +180,7 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
         elif len(as_list) != len(layers):
             problems.append(f"capacity lists {len(as_list)} values but there are {len(layers)} routed layers")
         elif not problems:
-            # γ_i belongs to the i-th layer as the config lists them, not to the i-th smallest index: a
-            # placement written in any order (e.g. by block influence) keeps each layer's own capacity.
-            given = routing.get("routed_layers", layers)
-            listed = layers if isinstance(given, str) else [int(i) for i in given]
-            capacity_of = dict(zip(listed, as_list))
-            capacities = [float(capacity_of[i]) for i in layers]
+            capacities = capacity_per_layer(routing.get("routed_layers", layers), layers, as_list)
 
     mode = values.get("student_routing_mode")
     if "student_routing_mode" in routing and mode not in ("threshold", "topk"):
