@@ -378,3 +378,71 @@ def test_frontier_targets_need_three_seeds_and_two_standard_errors(tmp_path):
     assert rows[("surprise vs MoD (answered either way)", "stt_new − mod_a")][1] == "not yet (1/3 seeds)"
     assert rows[("surprise vs MoD, same recipe", "stt_a − mod_a")][1] == "answered: no difference beyond 2 se"
     assert "Off budget" in _load_targets().targets_table(tmp_path) and "`mod_far` 0.600" in _load_targets().targets_table(tmp_path)
+
+
+def _load_claims():
+    spec = importlib.util.spec_from_file_location("frontier_claims", REPO / "experiments" / "frontier" / "claims.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
+    # Hand-made run files whose curves and held-out reports are chosen so each claim's verdict is known.
+    (tmp_path / "runs").mkdir()
+    steps = list(range(1, 31))
+
+    def curve(end):  # training loss: from 7.0 down (or up) to `end` over 15 steps, then flat
+        return [7.0 + (end - 7.0) * i / 14 for i in range(15)] + [end] * 15
+
+    def write(name, variant, seed, lm_end=5.0, pred_end=None, shift=None, fractions=None, agreement=None, loss=5.0):
+        series = {"loss/lm": curve(lm_end)}
+        if pred_end is not None:
+            series["loss/pred"] = [pred_end] * len(steps)
+        if shift is not None:  # CE − CU share moves by `shift` from the first 10 steps to the last 10
+            for layer in (1, 3):
+                series[f"routing/layer_{layer}/teacher_ce_share"] = [0.5] * 10 + [0.5] * 10 + [0.5 + shift / 2] * 10
+                series[f"routing/layer_{layer}/teacher_cu_share"] = [0.5] * 10 + [0.5] * 10 + [0.5 - shift / 2] * 10
+        layers = {}
+        for layer, fraction in (fractions or {}).items():
+            layers[str(layer)] = {"teacher/teacher_fraction": fraction}
+        for layer in (1, 3):
+            if agreement is not None:
+                layers.setdefault(str(layer), {})["teacher/agreement_accuracy"] = agreement
+        (tmp_path / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
+            {"name": name, "seed": seed, "variant": variant, "curves": {"steps": steps, "series": series},
+             "layers": layers, "heldout": {"student_loss": loss}}))
+
+    for seed in range(3):
+        jitter = (-0.01, 0.02, 0.005)[seed]
+        write("dense", "dense", seed, loss=4.0 + 0.1 * seed)
+        write("mod_50", "mod", seed, lm_end=5.0 + 0.1 * seed, loss=5.5 + 0.1 * seed)
+        # SDT trains like MoD (differences −0.01, +0.02, +0.005): "no worse" holds
+        write("sdt_50", "sdt", seed, lm_end=5.0 + 0.1 * seed + jitter, pred_end=0.5 + jitter, shift=0.3 + jitter,
+              agreement=0.70 + jitter, loss=5.4 + 0.1 * seed)
+        # STT ends 0.3 above MoD (a real contrary effect), predicts better than SDT, shifts towards CU, agrees more
+        write("stt_50", "stt", seed, lm_end=5.3 + 0.1 * seed + jitter, pred_end=0.1 + jitter, shift=-0.3 + jitter,
+              agreement=0.80 + 2 * jitter, loss=5.3 + 0.1 * seed + jitter)
+        # dynamic capacity falls with depth on every seed, but seed 2 diverges (training loss ends above its start)
+        write("stt_dynamic", "stt", seed, lm_end=5.0 if seed < 2 else 9.0,
+              fractions={1: 0.8 + jitter, 3: 0.6, 5: 0.4 - jitter}, loss=3.9 + 0.1 * seed)
+    write("sdt_50_prior0_25", "sdt", 0, pred_end=0.3, loss=5.4)
+    rows = {}
+    for line in _load_claims().claims_table(tmp_path).splitlines()[2:]:
+        cells = [c.strip() for c in line.split("|")]
+        rows[(cells[1].split(" · ")[0], cells[2])] = (cells[3], cells[4])
+    assert rows[("1", "mod_50")][1] == "reproduced"
+    assert rows[("1", "stt_dynamic")] == ("training LM loss first 5 → last 15 steps: 6.71 → 5.00, 6.71 → 5.00, "
+                                          "7.29 → 9.00", "not reproduced")
+    assert rows[("2", "sdt_50 − mod_50")][1] == "reproduced (no contrary effect beyond 2 se)"
+    assert rows[("2", "stt_50 − mod_50")] == ("+0.305 ± 0.009 se (n = 3)", "not reproduced")
+    assert rows[("3", "stt_50 − sdt_50")] == ("-0.400 ± 0.000 se (n = 3)", "reproduced")
+    assert rows[("3", "stt_50 − sdt_50_prior0_25")][1] == "inconclusive (1/3 seeds)"
+    assert rows[("4", "stt_dynamic")][1] == "reproduced"
+    assert rows[("5", "sdt_50")][1] == "reproduced" and rows[("5", "stt_50")][1] == "not reproduced"
+    assert rows[("6", "stt_50 − sdt_50 (held-out accuracy)")][1] == "answered: STT's causal router agrees more"
+    assert rows[("7", "sdt_50_prior0_25 − sdt_50")][1] == "inconclusive (1/3 seeds)"
+    assert rows[("8", "lora_stt_50 − stt_50")] == ("not run yet: lora_stt_50", "inconclusive (0/3 seeds)")
+    assert rows[("9", "mod_50 − dense")] == ("+1.500 ± 0.000 se (n = 3)", "reproduced")
+    # stt_dynamic beats dense by 0.1 on every seed: the contrary effect, beyond 2 se
+    assert rows[("9", "stt_dynamic − dense")][1] == "not reproduced"

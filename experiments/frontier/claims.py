@@ -1,0 +1,235 @@
+"""The papers' qualitative claims (issue 14, item 4), each given a verdict on the frontier study's runs.
+
+    python experiments/frontier/claims.py [--write]      # prints a Markdown table; --write: claims.md
+
+Every claim is tested on the runs that share the papers' setting at our scale: γ = 0.5 on every other inner
+layer, 60 steps from pretrained SmolLM2-135M (``mod_50``, ``sdt_50``, ``stt_50``, ``stt_dynamic``, and the
+ablations ``sdt_50_prior0_25``, ``lora_stt_50``). A number is per seed first (a run's own curve or held-out
+report), then a mean ± standard error over seeds; two runs are compared by their per-seed difference. The
+verdict vocabulary is the issue's:
+
+- **reproduced**: with three seeds, the effect the papers state is there beyond 2 standard errors (for a claim
+  of "no worse", no contrary effect beyond 2 se);
+- **not reproduced**: with three seeds, the contrary effect is there beyond 2 se (for a claim of an effect,
+  also: no effect beyond 2 se, written "not reproduced (no effect beyond 2 se)");
+- **inconclusive (n/3 seeds)**: fewer than three seeds, whatever the numbers say so far.
+
+The claims (paper section; ``sdt_stt_paper.txt`` lines 238–289):
+
+1. Fig. 2A: all variants train stably — per seed, the mean training LM loss of the last 15 logged steps is
+   finite and below that of the first 5 (the paper smooths with a 15-step moving average).
+2. Fig. 2A: surprise routing trains at a rate comparable to MoD — SDT/STT − MoD in that final training loss is
+   not above 0 beyond 2 se.
+3. Fig. 2B: the temporal prior (STT's TPN) predicts the block's update more accurately than the spatial prior
+   (SDT's PriorFFN, any size) — STT − SDT in the final L_pred (mean of the last 15 steps) below 0 beyond 2 se.
+4. Fig. 2C: STT with dynamic capacity processes fewer tokens in deeper layers — the least-squares slope of the
+   held-out share of tokens the threshold router runs (teacher, g ≥ g_th) against layer index is below 0
+   beyond 2 se.
+5. §5: routing shifts from novelty (CU) to prediction (CE) over training — per layer-averaged training curves,
+   (CE share − CU share of the teacher's choices) over the last 10 steps minus over the first 10 is above 0
+   beyond 2 se. Checked on ``sdt_50`` and ``stt_50``; every other SDT/STT run of the study is listed as well.
+6. Causal-router agreement, STT vs SDT (asked by the issue, not a claim of the papers): held-out teacher–student
+   agreement accuracy averaged over routed layers, answered either way.
+7. Table 2: a lightweight PriorFFN is sufficient — the larger prior (f = 0.25) does not lower the held-out
+   student loss of the default (f = 0.0625) beyond 2 se.
+8. Table 2: full fine-tuning beats LoRA — LoRA − full in held-out student loss above 0 beyond 2 se (the papers
+   ablate SDT; the study's LoRA run is STT).
+9. Table 1: every conditional-compute variant underperforms the dense model — routed − dense in held-out student
+   loss above 0 beyond 2 se, for each of MoD, SDT, STT fixed and dynamic.
+"""
+
+import argparse
+import importlib.util
+import math
+import statistics
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("frontier_targets", HERE / "targets.py")
+targets = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(targets)
+study = targets.study
+
+SEEDS_NEEDED = targets.SEEDS_NEEDED
+FIRST_STEPS, LAST_STEPS = 5, 15        # claim 1–3: start and end of a training curve (the paper's 15-step EMA)
+SHIFT_WINDOW = 10                      # claim 5: early and late windows of the CE/CU share curves
+PAPER_VARIANTS = ("mod_50", "sdt_50", "stt_50", "stt_dynamic")
+
+PerSeed = Dict[int, float]
+
+
+def _series(r, key: str) -> List[float]:
+    values = ((r.get("curves") or {}).get("series") or {}).get(key) or []
+    return [v for v in values if v is not None]
+
+
+def curve_end(key: str, last: int = LAST_STEPS) -> Callable[[dict], Optional[float]]:
+    def value(r):
+        values = _series(r, key)
+        return statistics.fmean(values[-last:]) if values else None
+    return value
+
+
+def curve_start(key: str, first: int = FIRST_STEPS) -> Callable[[dict], Optional[float]]:
+    def value(r):
+        values = _series(r, key)
+        return statistics.fmean(values[:first]) if values else None
+    return value
+
+
+def heldout_student_loss(r) -> Optional[float]:
+    return (r.get("heldout") or {}).get("student_loss")
+
+
+def depth_slope(r) -> Optional[float]:
+    """Least-squares slope of the held-out threshold-router share (teacher) against layer index."""
+    fractions = {int(layer): row["teacher/teacher_fraction"] for layer, row in (r.get("layers") or {}).items()
+                 if "teacher/teacher_fraction" in row}
+    return study._slope([float(layer) for layer in fractions], list(fractions.values())) if fractions else None
+
+
+def ce_over_cu_shift(r) -> Optional[float]:
+    """(CE share − CU share) of the teacher's choices, late minus early in training, averaged over layers."""
+    _, ce = study._layer_mean_curve([r], "teacher_ce_share")
+    _, cu = study._layer_mean_curve([r], "teacher_cu_share")
+    if len(ce) < 2 * SHIFT_WINDOW or len(cu) != len(ce):
+        return None
+    margin = [a - b for a, b in zip(ce, cu)]
+    return statistics.fmean(margin[-SHIFT_WINDOW:]) - statistics.fmean(margin[:SHIFT_WINDOW])
+
+
+def mean_agreement(r) -> Optional[float]:
+    values = [row["teacher/agreement_accuracy"] for row in (r.get("layers") or {}).values()
+              if "teacher/agreement_accuracy" in row]
+    return statistics.fmean(values) if values else None
+
+
+def per_seed(runs, name: str, metric: Callable[[dict], Optional[float]]) -> PerSeed:
+    values = {}
+    for r in runs.get(name, []):
+        value = metric(r)
+        if value is not None and math.isfinite(value):
+            values[r["seed"]] = value
+    return values
+
+
+def one_sample(values: PerSeed):
+    return study.paired_difference([values[s] for s in sorted(values)])
+
+
+def verdict(pd, claimed_sign: int, no_worse: bool = False) -> str:
+    """The claim's verdict from a mean ± se whose sign the papers predict (``claimed_sign`` −1 or +1).
+
+    ``no_worse``: the papers claim only that the contrary effect is absent (comparable, sufficient)."""
+    if pd["n"] < SEEDS_NEEDED:
+        return f"inconclusive ({pd['n']}/{SEEDS_NEEDED} seeds)"
+    beyond = abs(pd["mean"]) > 2 * pd["se"]
+    if beyond and math.copysign(1, pd["mean"]) == claimed_sign:
+        return "reproduced"
+    if beyond:
+        return "not reproduced"
+    return "reproduced (no contrary effect beyond 2 se)" if no_worse else "not reproduced (no effect beyond 2 se)"
+
+
+def agreement_answer(pd) -> str:
+    """STT − SDT causal-router agreement: which student follows its teacher more closely, or neither."""
+    if pd["n"] < SEEDS_NEEDED:
+        return f"inconclusive ({pd['n']}/{SEEDS_NEEDED} seeds)"
+    if abs(pd["mean"]) <= 2 * pd["se"]:
+        return "answered: no difference beyond 2 se"
+    return "answered: STT's causal router agrees more" if pd["mean"] > 0 else "answered: SDT's causal router agrees more"
+
+
+def claims_table(out_dir: Path) -> str:
+    """The Markdown table of every claim's verdict on the run JSONs under ``out_dir/runs``."""
+    _, runs = study.load_results(out_dir)
+    rows: List[str] = []
+
+    def row(claim: str, compared: str, numbers: str, result: str) -> None:
+        rows.append(f"| {claim} | {compared} | {numbers} | {result} |")
+
+    def missing(names) -> List[str]:
+        return [n for n in names if not runs.get(n)]
+
+    def difference(claim: str, a: str, b: str, metric, claimed_sign: int, no_worse: bool = False) -> None:
+        if missing((a, b)):
+            row(claim, f"{a} − {b}", "not run yet: " + ", ".join(missing((a, b))), "inconclusive (0/3 seeds)")
+            return
+        pd = targets.paired(per_seed(runs, a, metric), per_seed(runs, b, metric))
+        row(claim, f"{a} − {b}", targets.fmt(pd), verdict(pd, claimed_sign, no_worse))
+
+    def single(claim: str, name: str, metric, claimed_sign: int, unit: str = "") -> None:
+        if missing((name,)):
+            row(claim, name, "not run yet", "inconclusive (0/3 seeds)")
+            return
+        pd = one_sample(per_seed(runs, name, metric))
+        row(claim, name, targets.fmt(pd) + unit, verdict(pd, claimed_sign))
+
+    # 1. stable training: every seed of every paper variant ends below where it began
+    lm_start, lm_end = curve_start("loss/lm"), curve_end("loss/lm")
+    for name in PAPER_VARIANTS:
+        if missing((name,)):
+            row("1 · Fig. 2A: trains stably", name, "not run yet", "inconclusive (0/3 seeds)")
+            continue
+        ends = [(lm_start(r), lm_end(r)) for r in runs[name]]
+        stable = [s is not None and e is not None and math.isfinite(e) and e < s for s, e in ends]
+        numbers = ", ".join(f"{s:.2f} → {e:.2f}" if s is not None and e is not None else "no curve" for s, e in ends)
+        if not all(stable):
+            result = "not reproduced"
+        elif len(ends) < SEEDS_NEEDED:
+            result = f"inconclusive ({len(ends)}/{SEEDS_NEEDED} seeds)"
+        else:
+            result = "reproduced"
+        row("1 · Fig. 2A: trains stably", name, f"training LM loss first {FIRST_STEPS} → last {LAST_STEPS} steps: "
+            + numbers, result)
+    # 2. comparable training rate: surprise routing's final training loss is not above MoD's
+    for name in ("sdt_50", "stt_50"):
+        difference("2 · Fig. 2A: surprise trains as well as MoD", name, "mod_50", lm_end, -1, no_worse=True)
+    # 3. the temporal prior predicts better than the spatial one, whatever its size
+    for prior in ("sdt_50", "sdt_50_prior0_25"):
+        difference("3 · Fig. 2B: TPN (STT) predicts better than PriorFFN (SDT)", "stt_50", prior,
+                   curve_end("loss/pred"), -1)
+    # 4. dynamic capacity falls with depth
+    single("4 · Fig. 2C: dynamic capacity falls with depth", "stt_dynamic", depth_slope, -1, " per layer")
+    # 5. novelty first, prediction later
+    shifters = ["sdt_50", "stt_50"] + sorted(n for n, rs in runs.items() if rs[0].get("variant") in ("sdt", "stt")
+                                             and n not in ("sdt_50", "stt_50"))
+    for name in shifters:
+        claim = "5 · §5: CU first, CE later" + ("" if name in ("sdt_50", "stt_50") else " (other recipes)")
+        single(claim, name, ce_over_cu_shift, +1, " (CE − CU share, late − early)")
+    # 6. causal-router agreement, STT vs SDT (answered either way)
+    if missing(("stt_50", "sdt_50")):
+        row("6 · router agreement, STT vs SDT", "stt_50 − sdt_50",
+            "not run yet: " + ", ".join(missing(("stt_50", "sdt_50"))), "inconclusive (0/3 seeds)")
+    else:
+        pd = targets.paired(per_seed(runs, "stt_50", mean_agreement), per_seed(runs, "sdt_50", mean_agreement))
+        row("6 · router agreement, STT vs SDT", "stt_50 − sdt_50 (held-out accuracy)", targets.fmt(pd),
+            agreement_answer(pd))
+    # 7. a lightweight prior is sufficient: the larger one does not lower the student's loss
+    difference("7 · Table 2: lightweight PriorFFN suffices", "sdt_50_prior0_25", "sdt_50", heldout_student_loss,
+               +1, no_worse=True)
+    # 8. full fine-tuning beats LoRA
+    difference("8 · Table 2: full fine-tuning beats LoRA", "lora_stt_50", "stt_50", heldout_student_loss, +1)
+    # 9. every conditional-compute variant underperforms dense
+    for name in PAPER_VARIANTS:
+        difference("9 · Table 1: below dense", name, "dense", heldout_student_loss, +1)
+    header = ["| claim | runs | numbers (mean ± se over seeds) | verdict |", "|---|---|---|---|"]
+    return "\n".join(header + rows)
+
+
+def main() -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    table = claims_table(HERE)
+    print(table)
+    if args.write:
+        (HERE / "claims.md").write_text(
+            "# The papers' claims on the runs so far\n\nWritten by `python experiments/frontier/claims.py --write`; "
+            "criteria in its docstring, plots in [README.md](README.md#the-papers-claims).\n\n" + table + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    main()
