@@ -336,8 +336,8 @@ def test_committed_frontier_results_aggregate_to_paired_tables_of_their_own_numb
         assert (note in section) if unpaired else ("No seed paired" not in section)
 
 
-def _load_targets():
-    spec = importlib.util.spec_from_file_location("frontier_targets", REPO / "experiments" / "frontier" / "targets.py")
+def _load_frontier_script(name):
+    spec = importlib.util.spec_from_file_location(f"frontier_{name}", REPO / "experiments" / "frontier" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -362,7 +362,7 @@ def test_frontier_targets_need_three_seeds_and_two_standard_errors(tmp_path):
                 {"name": name, "seed": seed, "variant": variant, "compute": {"forward_flops_ratio": ratio},
                  "heldout": {"student_loss": loss}}))
     rows = {}
-    for line in _load_targets().targets_table(tmp_path).splitlines():
+    for line in _load_frontier_script("targets").targets_table(tmp_path).splitlines():
         cells = [c.strip() for c in line.split("|")]
         if len(cells) > 5 and cells[1] == "0.81":
             rows[(cells[2], cells[3])] = (cells[4], cells[5])
@@ -377,14 +377,7 @@ def test_frontier_targets_need_three_seeds_and_two_standard_errors(tmp_path):
     assert rows[("closes ≥ 70 % of papers→dense gap", "stt_a vs stt_papers_50, dense")] == ("80% closed (n = 3)", "met")
     assert rows[("surprise vs MoD (answered either way)", "stt_new − mod_a")][1] == "not yet (1/3 seeds)"
     assert rows[("surprise vs MoD, same recipe", "stt_a − mod_a")][1] == "answered: no difference beyond 2 se"
-    assert "Off budget" in _load_targets().targets_table(tmp_path) and "`mod_far` 0.600" in _load_targets().targets_table(tmp_path)
-
-
-def _load_claims():
-    spec = importlib.util.spec_from_file_location("frontier_claims", REPO / "experiments" / "frontier" / "claims.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    assert "Off budget" in _load_frontier_script("targets").targets_table(tmp_path) and "`mod_far` 0.600" in _load_frontier_script("targets").targets_table(tmp_path)
 
 
 def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
@@ -428,7 +421,7 @@ def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
               fractions={1: 0.8 + jitter, 3: 0.6, 5: 0.4 - jitter}, loss=3.9 + 0.1 * seed)
     write("sdt_50_prior0_25", "sdt", 0, pred_end=0.3, loss=5.4)
     rows = {}
-    for line in _load_claims().claims_table(tmp_path).splitlines()[2:]:
+    for line in _load_frontier_script("claims").claims_table(tmp_path).splitlines()[2:]:
         cells = [c.strip() for c in line.split("|")]
         rows[(cells[1].split(" · ")[0], cells[2])] = (cells[3], cells[4])
     assert rows[("1", "mod_50")][1] == "reproduced"

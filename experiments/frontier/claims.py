@@ -38,7 +38,6 @@ The claims (paper section; ``sdt_stt_paper.txt`` lines 238–289):
    loss above 0 beyond 2 se, for each of MoD, SDT, STT fixed and dynamic.
 """
 
-import argparse
 import importlib.util
 import math
 import statistics
@@ -132,15 +131,6 @@ def verdict(pd, claimed_sign: int, no_worse: bool = False) -> str:
     return "reproduced (no contrary effect beyond 2 se)" if no_worse else "not reproduced (no effect beyond 2 se)"
 
 
-def agreement_answer(pd) -> str:
-    """STT − SDT causal-router agreement: which student follows its teacher more closely, or neither."""
-    if pd["n"] < SEEDS_NEEDED:
-        return f"inconclusive ({pd['n']}/{SEEDS_NEEDED} seeds)"
-    if abs(pd["mean"]) <= 2 * pd["se"]:
-        return "answered: no difference beyond 2 se"
-    return "answered: STT's causal router agrees more" if pd["mean"] > 0 else "answered: SDT's causal router agrees more"
-
-
 def claims_table(out_dir: Path) -> str:
     """The Markdown table of every claim's verdict on the run JSONs under ``out_dir/runs``."""
     _, runs = study.load_results(out_dir)
@@ -205,7 +195,8 @@ def claims_table(out_dir: Path) -> str:
     else:
         pd = targets.paired(per_seed(runs, "stt_50", mean_agreement), per_seed(runs, "sdt_50", mean_agreement))
         row("6 · router agreement, STT vs SDT", "stt_50 − sdt_50 (held-out accuracy)", targets.fmt(pd),
-            agreement_answer(pd))
+            targets.which_wins(pd, below="SDT's causal router agrees more", above="STT's causal router agrees more",
+                               pending="inconclusive"))
     # 7. a lightweight prior is sufficient: the larger one does not lower the student's loss
     difference("7 · Table 2: lightweight PriorFFN suffices", "sdt_50_prior0_25", "sdt_50", heldout_student_loss,
                +1, no_worse=True)
@@ -219,16 +210,9 @@ def claims_table(out_dir: Path) -> str:
 
 
 def main() -> str:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true")
-    args = parser.parse_args()
-    table = claims_table(HERE)
-    print(table)
-    if args.write:
-        (HERE / "claims.md").write_text(
-            "# The papers' claims on the runs so far\n\nWritten by `python experiments/frontier/claims.py --write`; "
-            "criteria in its docstring, plots in [README.md](README.md#the-papers-claims).\n\n" + table + "\n")
-    return table
+    return targets.print_or_write(__doc__.split("\n\n")[0], claims_table(HERE), "claims.md",
+                                  "The papers' claims on the runs so far",
+                                  "criteria in its docstring, plots in [README.md](README.md#the-papers-claims).")
 
 
 if __name__ == "__main__":

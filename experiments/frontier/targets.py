@@ -71,13 +71,14 @@ def verdict(ok: bool, n: int) -> str:
     return "met" if ok else "not met"
 
 
-def which_wins(pd) -> str:
-    """Surprise − MoD, answered either way once three seeds are in: who is lower by more than 2 se, or a tie."""
+def which_wins(pd, below: str = "surprise routing lower", above: str = "MoD lower", pending: str = "not yet") -> str:
+    """A difference answered either way once three seeds are in: ``below`` when it is below 0 by more than 2 se,
+    ``above`` when above, or a tie (by default surprise − MoD: who is lower)."""
     if pd["n"] < SEEDS_NEEDED:
-        return f"not yet ({pd['n']}/{SEEDS_NEEDED} seeds)"
+        return f"{pending} ({pd['n']}/{SEEDS_NEEDED} seeds)"
     if abs(pd["mean"]) <= 2 * pd["se"]:
         return "answered: no difference beyond 2 se"
-    return "answered: surprise routing lower" if pd["mean"] < 0 else "answered: MoD lower"
+    return f"answered: {below}" if pd["mean"] < 0 else f"answered: {above}"
 
 
 def targets_table(out_dir: Path) -> str:
@@ -146,17 +147,22 @@ def targets_table(out_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def main() -> str:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def print_or_write(description: str, table: str, file_name: str, heading: str, about: str) -> str:
+    """The command line of this script and of ``claims.py``: print the table; ``--write`` also writes it to
+    ``file_name`` under a heading and a line saying how it was made (``about``)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--write", action="store_true")
-    args = parser.parse_args()
-    table = targets_table(HERE)
+    if parser.parse_args().write:
+        script = file_name.replace(".md", ".py")
+        (HERE / file_name).write_text(f"# {heading}\n\nWritten by `python experiments/frontier/{script} --write`; "
+                                      f"{about}\n\n{table}\n")
     print(table)
-    if args.write:
-        (HERE / "targets.md").write_text(
-            "# Issue 14 targets on the runs so far\n\nWritten by `python experiments/frontier/targets.py --write`; "
-            "student held-out loss per token, paired by seed.\n\n" + table + "\n")
     return table
+
+
+def main() -> str:
+    return print_or_write(__doc__.split("\n\n")[0], targets_table(HERE), "targets.md",
+                          "Issue 14 targets on the runs so far", "student held-out loss per token, paired by seed.")
 
 
 if __name__ == "__main__":
