@@ -921,8 +921,8 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
     """Numbers and a 4-panel plot (``claims.png``) for the papers' qualitative claims: predictor loss of the
     PriorFFN (SDT) vs the TPN (STT) over training (Fig. 2B); STT dynamic capacity per layer (Fig. 2C: does it
     fall with depth?); the shares of the teacher's choices whose CE and whose CU criterion fired, early vs
-    late in training; teacher–student agreement per layer, STT vs SDT. Verdicts are left to the reader of
-    the numbers (and the study README's narrative), since they need the seeds to agree."""
+    late in training; teacher–student agreement per layer, STT vs SDT. The verdicts, which need three seeds,
+    are the frontier study's ``experiments/frontier/claims.py``."""
     import matplotlib
 
     matplotlib.use("Agg")
