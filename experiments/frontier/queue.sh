@@ -25,6 +25,8 @@ ORDER=(
   stt_bi14_graded_all:1 stt_bi14_graded_all:2 stt_papers_50:1 stt_papers_50:2
   # ≈ 0.72, then the remaining seeds of both levels
   layerdrop_10:0 stt_bi20_all:0 random_25:0
+  # γ 0.1 / 0.9 on the 14 layers: the last step between graded capacity and layer dropping
+  stt_bi14_graded10_all:0
   layerdrop_4:1 stt_bi8_all:1 random_75:1 layerdrop_10:1 stt_bi20_all:1 random_25:1
   layerdrop_4:2 stt_bi8_all:2 random_75:2 layerdrop_10:2 stt_bi20_all:2 random_25:2
   # the papers' claims, one seed first
