@@ -805,7 +805,11 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
     import matplotlib.ticker  # noqa: F401
 
     names = [n for n in order if runs.get(n)]
+    # Ten colours, then the next ten runs with another marker and line style: every run keeps its own look
+    # however many a study has.
     colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
+    markers = {n: "os^Dv*"[(i // 10) % 6] for i, n in enumerate(names)}
+    lines = {n: ("-", "--", ":", "-.")[(i // 10) % 4] for i, n in enumerate(names)}
     written = []
 
     def finish(fig, ax, name, empty_note, integer_x=True):
@@ -814,21 +818,22 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
         if not ax.has_data():
             ax.text(0.5, 0.5, empty_note, ha="center", va="center", transform=ax.transAxes)
         elif ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         fig.tight_layout()
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
         written.append(name)
 
     # (a) frontier: student held-out loss against forward FLOPs ratio
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     for n in names:
         fns = dict((h, f) for h, f, _ in _metric_fns())
         xm, xs = _mean_std([fns["fwd FLOPs ratio"](r) for r in runs[n]])
         ym, ys = _mean_std([fns["student loss"](r) for r in runs[n]])
         if xm is None or ym is None:
             continue
-        ax.errorbar([xm], [ym], xerr=[xs], yerr=[ys], fmt="o", capsize=3, color=colors[n], label=f"{n} (n={len(runs[n])})")
+        ax.errorbar([xm], [ym], xerr=[xs], yerr=[ys], fmt=markers[n], capsize=3, color=colors[n],
+                    label=f"{n} (n={len(runs[n])})")
     for n in dense_names:
         ym, _ = _mean_std([r["heldout"]["student_loss"] for r in runs.get(n, [])])
         if ym is not None:
@@ -839,37 +844,37 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
     finish(fig, ax, "frontier.png", "no run with held-out loss and FLOPs yet", integer_x=False)
 
     # (b) training curves
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     for n in names:
         steps, values = _mean_curve(runs[n], "loss/lm")
         if steps:
-            ax.plot(steps, values, color=colors[n], label=n)
+            ax.plot(steps, values, lines[n], color=colors[n], label=n)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training LM loss (mean over seeds)")
     ax.set_title("Training curves")
     finish(fig, ax, "curves.png", "no training curve yet")
 
     # (c) validation: student vs teacher
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     for n in names:
         for key, style, label in (("val/lm_loss_student", "-", "student"), ("val/lm_loss_teacher", "--", "teacher")):
             steps, values = _mean_curve(runs[n], key)
             if steps and not (label == "teacher" and all(r.get("variant") == "dense" for r in runs[n])):
-                ax.plot(steps, values, style, marker=".", color=colors[n], label=f"{n} {label}")
+                ax.plot(steps, values, style, marker=markers[n], markersize=3, color=colors[n], label=f"{n} {label}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation LM loss (mean over seeds)")
     ax.set_title("Validation: student (solid) vs teacher (dashed)")
     finish(fig, ax, "validation.png", "no validation point yet")
 
     # (d) executed fraction per layer (student, held-out windows)
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     for n in names:
         layers = sorted({int(k) for r in runs[n] for k in (r.get("executed_fraction") or {})})
         if not layers:
             continue
         means = [statistics.fmean([r["executed_fraction"][str(l)] for r in runs[n] if str(l) in r["executed_fraction"]])
                  for l in layers]
-        ax.plot(layers, means, marker="o", color=colors[n], label=n)
+        ax.plot(layers, means, lines[n], marker=markers[n], color=colors[n], label=n)
     ax.set_xlabel("layer")
     ax.set_ylabel("executed fraction (student, held-out)")
     ax.set_ylim(0, 1.05)
