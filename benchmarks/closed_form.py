@@ -551,6 +551,7 @@ def routing_shape_from_model_config(model: Mapping, num_layers: int, embed_dim: 
     """:class:`RoutingShape` of a recipe's ``model`` section, for every variant and technique option the closed
     form knows (module docstring), including keys the model validator may not know yet; absent option keys mean
     today's behaviour. Values are not validated here (the model builder does that when it builds)."""
+    from torchtune_dtf.models.routing_config import capacity_per_layer
     from torchtune_dtf.modules.predictors import predictor_width
 
     variant = variant_of_model_config(model)
@@ -573,8 +574,6 @@ def routing_shape_from_model_config(model: Mapping, num_layers: int, embed_dim: 
             capacities = capacities * len(layers)
     if len(capacities) != len(layers):
         raise ValueError(f"capacity lists {len(capacities)} values for {len(layers)} routed layers")
-    from torchtune_dtf.models.routing_config import capacity_per_layer
-
     capacities = tuple(capacity_per_layer(routing["routed_layers"], layers, capacities))
     has_router = variant in ("mod", "sdt", "stt")
     return RoutingShape(

@@ -361,8 +361,9 @@ def test_frontier_targets_need_three_seeds_and_two_standard_errors(tmp_path):
             (tmp_path / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
                 {"name": name, "seed": seed, "variant": variant, "compute": {"forward_flops_ratio": ratio},
                  "heldout": {"student_loss": loss}}))
+    markdown = _load_frontier_script("targets").targets_table(tmp_path)
     rows = {}
-    for line in _load_frontier_script("targets").targets_table(tmp_path).splitlines():
+    for line in markdown.splitlines():
         cells = [c.strip() for c in line.split("|")]
         if len(cells) > 5 and cells[1] == "0.81":
             rows[(cells[2], cells[3])] = (cells[4], cells[5])
@@ -377,7 +378,7 @@ def test_frontier_targets_need_three_seeds_and_two_standard_errors(tmp_path):
     assert rows[("closes ≥ 70 % of papers→dense gap", "stt_a vs stt_papers_50, dense")] == ("80% closed (n = 3)", "met")
     assert rows[("surprise vs MoD (answered either way)", "stt_new − mod_a")][1] == "not yet (1/3 seeds)"
     assert rows[("surprise vs MoD, same recipe", "stt_a − mod_a")][1] == "answered: no difference beyond 2 se"
-    assert "Off budget" in _load_frontier_script("targets").targets_table(tmp_path) and "`mod_far` 0.600" in _load_frontier_script("targets").targets_table(tmp_path)
+    assert "Off budget" in markdown and "`mod_far` 0.600" in markdown
 
 
 def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):

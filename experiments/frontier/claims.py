@@ -63,17 +63,11 @@ def _series(r, key: str) -> List[float]:
     return [v for v in values if v is not None]
 
 
-def curve_end(key: str, last: int = LAST_STEPS) -> Callable[[dict], Optional[float]]:
+def curve_mean(key: str, window: slice) -> Callable[[dict], Optional[float]]:
+    """A run's mean of the training curve ``key`` over ``window`` of its logged steps."""
     def value(r):
-        values = _series(r, key)
-        return statistics.fmean(values[-last:]) if values else None
-    return value
-
-
-def curve_start(key: str, first: int = FIRST_STEPS) -> Callable[[dict], Optional[float]]:
-    def value(r):
-        values = _series(r, key)
-        return statistics.fmean(values[:first]) if values else None
+        values = _series(r, key)[window]
+        return statistics.fmean(values) if values else None
     return value
 
 
@@ -83,8 +77,7 @@ def heldout_student_loss(r) -> Optional[float]:
 
 def depth_slope(r) -> Optional[float]:
     """Least-squares slope of the held-out threshold-router share (teacher) against layer index."""
-    fractions = {int(layer): row["teacher/teacher_fraction"] for layer, row in (r.get("layers") or {}).items()
-                 if "teacher/teacher_fraction" in row}
+    fractions = study._layer_values([r], "teacher/teacher_fraction")
     return study._slope([float(layer) for layer in fractions], list(fractions.values())) if fractions else None
 
 
@@ -99,9 +92,8 @@ def ce_over_cu_shift(r) -> Optional[float]:
 
 
 def mean_agreement(r) -> Optional[float]:
-    values = [row["teacher/agreement_accuracy"] for row in (r.get("layers") or {}).values()
-              if "teacher/agreement_accuracy" in row]
-    return statistics.fmean(values) if values else None
+    values = study._layer_values([r], "teacher/agreement_accuracy")
+    return statistics.fmean(values.values()) if values else None
 
 
 def per_seed(runs, name: str, metric: Callable[[dict], Optional[float]]) -> PerSeed:
@@ -157,7 +149,8 @@ def claims_table(out_dir: Path) -> str:
         row(claim, name, targets.fmt(pd) + unit, verdict(pd, claimed_sign))
 
     # 1. stable training: every seed of every paper variant ends below where it began
-    lm_start, lm_end = curve_start("loss/lm"), curve_end("loss/lm")
+    lm_start = curve_mean("loss/lm", slice(None, FIRST_STEPS))
+    lm_end = curve_mean("loss/lm", slice(-LAST_STEPS, None))
     for name in PAPER_VARIANTS:
         if missing((name,)):
             row("1 · Fig. 2A: trains stably", name, "not run yet", "inconclusive (0/3 seeds)")
@@ -179,7 +172,7 @@ def claims_table(out_dir: Path) -> str:
     # 3. the temporal prior predicts better than the spatial one, whatever its size
     for prior in ("sdt_50", "sdt_50_prior0_25"):
         difference("3 · Fig. 2B: TPN (STT) predicts better than PriorFFN (SDT)", "stt_50", prior,
-                   curve_end("loss/pred"), -1)
+                   curve_mean("loss/pred", slice(-LAST_STEPS, None)), -1)
     # 4. dynamic capacity falls with depth
     single("4 · Fig. 2C: dynamic capacity falls with depth", "stt_dynamic", depth_slope, -1, " per layer")
     # 5. novelty first, prediction later
