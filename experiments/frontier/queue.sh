@@ -27,6 +27,8 @@ ORDER=(
   layerdrop_10:0 stt_bi20_all:0 random_25:0
   # γ 0.1 / 0.9 on the 14 layers: the last step between graded capacity and layer dropping
   stt_bi14_graded10_all:0
+  # a faster-learning causal router: the student's gap to its teacher on the graded recipe
+  stt_bi14_graded_all_rlr10:0
   layerdrop_4:1 stt_bi8_all:1 random_75:1 layerdrop_10:1 stt_bi20_all:1 random_25:1
   layerdrop_4:2 stt_bi8_all:2 random_75:2 layerdrop_10:2 stt_bi20_all:2 random_25:2
   # the papers' claims, one seed first
