@@ -158,12 +158,15 @@ def test_micro_study_writes_runs_skips_finished_ones_and_flags_stale_ones(workdi
         data = (out / plot).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, plot
         assert f"]({plot})" in readme
-    # The claims table has the STT run with its predictor loss and CE/CU shares over training.
+    # The claims table has the STT run with its predictor loss, the held-out share of the update its TPN leaves
+    # unexplained (D_ch/D_st of its layers' reports), its CE/CU shares over training and its agreement.
     claims = readme.split("## The papers' claims")[1].split("## Run files")[0]
     (stt_row,) = [line for line in claims.splitlines() if line.startswith("| stt |")]
     cells = [c.strip() for c in stt_row.strip("|").split("|")]
-    assert cells[1] == "stt" and "→" in cells[3] and "→" in cells[4] and "→" in cells[5], stt_row
-    assert 0 <= float(cells[6]) <= 1
+    assert cells[1] == "stt" and "→" in cells[3] and "→" in cells[5] and "→" in cells[6], stt_row
+    shares = [row["teacher/d_ch"] / row["teacher/d_st"] for row in stt["layers"].values()]
+    assert len(shares) == 2 and float(cells[4]) == pytest.approx(sum(shares) / 2, abs=5e-4)
+    assert 0 <= float(cells[7]) <= 1
 
     # A second seed (here: copies with shifted losses) gives paired differences with a t-interval.
     for name, shift in (("dense", 0.0), ("stt", 0.3)):
