@@ -354,16 +354,18 @@ def test_frontier_targets_need_three_seeds_and_two_standard_errors(tmp_path):
         "layerdrop_7": ("layerdrop", 0.81, [4.5, 4.6, 4.7]),
         "random_50": ("random", 0.81, [5.5, 5.6, 5.7]),
         "stt_papers_50": ("stt", 0.81, [6.0, 6.1, 6.2]),
-        "stt_a": ("stt", 0.82, [4.40, 4.52, 4.58]),      # − layerdrop: −0.10, −0.08, −0.12 → met
+        "stt_a": ("stt", 0.82, [4.40, 4.52, 4.58], [4.60, 4.65, 4.75]),  # − layerdrop: −0.10, −0.08, −0.12 → met;
+        # its teacher − layerdrop: +0.10, +0.05, +0.05 → the (diagnostic) teacher loses beyond 2 se
         "mod_a": ("mod", 0.82, [4.41, 4.50, 4.60]),      # stt_a − mod_a: −0.01, +0.02, −0.02 → tie
         "stt_new": ("stt", 0.80, [4.0]),                 # best by mean, one seed: not yet
         "mod_far": ("mod", 0.60, [9.0, 9.0, 9.0]),       # at no level
     }
-    for name, (variant, ratio, losses) in table.items():
+    for name, (variant, ratio, losses, *teacher) in table.items():
         for seed, loss in enumerate(losses):
+            heldout = {"student_loss": loss, "teacher_loss": teacher[0][seed] if teacher else None}
             (tmp_path / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
                 {"name": name, "seed": seed, "variant": variant, "compute": {"forward_flops_ratio": ratio},
-                 "heldout": {"student_loss": loss}}))
+                 "heldout": heldout}))
     markdown = _load_frontier_script("targets").targets_table(tmp_path)
     rows = {}
     for line in markdown.splitlines():
@@ -374,6 +376,9 @@ def test_frontier_targets_need_three_seeds_and_two_standard_errors(tmp_path):
     numbers, verdict = rows[("best with 3 seeds < layerdrop_7 by > 2 se", "stt_a − layerdrop_7")]
     assert verdict == "met" and numbers.startswith("-0.100 ± 0.012 se (n = 3)")
     assert rows[("best with 3 seeds < random_50 by > 2 se", "stt_a − random_50")][1] == "met"
+    assert rows[("diagnostic: its teacher (not deployed) vs layerdrop_7", "stt_a teacher − layerdrop_7")] == (
+        "+0.067 ± 0.017 se (n = 3)", "answered: layer dropping lower")
+    assert not any(run.startswith("stt_new teacher") for _, run in rows)  # no teacher loss, no diagnostic row
     # papers → dense gap closed by the best recipe (stt_new, seed 0 only): (6.0 − 4.0) / (6.0 − 4.0) = 100 %
     assert rows[("closes ≥ 70 % of papers→dense gap", "stt_new vs stt_papers_50, dense")] == (
         "100% closed (n = 1)", "not yet (1/3 seeds)")

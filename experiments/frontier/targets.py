@@ -16,6 +16,10 @@ the margin the issue names:
 3. at ≈ 0.90: best − dense < 0.10 nats;
 4. surprise (best SDT/STT) vs MoD (best MoD) at each level: the paired difference, either way; and for every
    SDT/STT run whose recipe also ran with MoD (``stt_X`` and ``mod_X``), that same-recipe difference.
+
+A diagnostic row, not a target, follows each level's layer-dropping comparison: the same best recipe's
+*teacher* (the training router, which needs the dense pass and is not deployed) against layer dropping, which
+tells whether the routing decision or the causal student that imitates it is what loses.
 """
 
 import argparse
@@ -47,8 +51,8 @@ def level_of(results):
     return None
 
 
-def by_seed(results):
-    return {r["seed"]: r["heldout"]["student_loss"] for r in results}
+def by_seed(results, key: str = "student_loss"):
+    return {r["seed"]: r["heldout"][key] for r in results if r["heldout"].get(key) is not None}
 
 
 def paired(a, b):
@@ -85,6 +89,7 @@ def targets_table(out_dir: Path) -> str:
     """The Markdown table of every target on the run JSONs under ``out_dir/runs``."""
     _, runs = study.load_results(out_dir)
     losses = {name: by_seed(results) for name, results in runs.items()}
+    teacher_losses = {name: by_seed(results, "teacher_loss") for name, results in runs.items()}
     variant = {name: results[0]["variant"] for name, results in runs.items()}
     dense = losses.get("dense", {})
     lines = ["| level | target | runs | numbers | verdict |", "|---|---|---|---|---|"]
@@ -110,6 +115,11 @@ def targets_table(out_dir: Path) -> str:
                 ok = pd["se"] is not None and pd["mean"] < 0 and -pd["mean"] > 2 * pd["se"]
                 lines.append(f"| {level} | {label} < {baseline} by > 2 se | {candidate} − {baseline} | {fmt(pd)} "
                              f"| {verdict(ok, pd['n'])} |")
+                if baseline == drop and teacher_losses[candidate]:
+                    pd = paired(teacher_losses[candidate], losses[baseline])
+                    answered = which_wins(pd, below="teacher lower", above="layer dropping lower", pending="diagnostic")
+                    lines.append(f"| {level} | diagnostic: its teacher (not deployed) vs {baseline} | {candidate} "
+                                 f"teacher − {baseline} | {fmt(pd)} | {answered} |")
         if level == "0.81":
             papers = losses.get("stt_papers_50", {})
             for candidate in candidates:
