@@ -31,8 +31,11 @@ ORDER=(
   stt_bi14_graded_all_rlr10:0
   # seed 0 beat layerdrop_7 (−0.034; the student's gap to its teacher fell from 0.076 to 0.016): the other seeds
   stt_bi14_graded_all_rlr10:1 stt_bi14_graded_all_rlr10:2
+  # the faster routers at the other two levels, then the remaining seeds of both levels
+  stt_bi8_all_rlr10:0 stt_bi20_all_rlr10:0
   layerdrop_4:1 stt_bi8_all:1 random_75:1 layerdrop_10:1 stt_bi20_all:1 random_25:1
   layerdrop_4:2 stt_bi8_all:2 random_75:2 layerdrop_10:2 stt_bi20_all:2 random_25:2
+  stt_bi8_all_rlr10:1 stt_bi20_all_rlr10:1 stt_bi8_all_rlr10:2 stt_bi20_all_rlr10:2
   # the papers' claims, one seed first
   sdt_50:0 stt_dynamic:0 sdt_50_prior0_25:0 stt_50_prior0_25:0 lora_stt_50:0 stt_50:0 mod_50:0
   # every-other placement with all techniques, and the ablations
