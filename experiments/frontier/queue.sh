@@ -33,6 +33,8 @@ ORDER=(
   stt_bi14_graded_all_rlr10:1 stt_bi14_graded_all_rlr10:2
   # the faster routers at the other two levels, then the remaining seeds of both levels
   stt_bi8_all_rlr10:0 stt_bi20_all_rlr10:0
+  # graded capacity at ≈ 0.90 (even the teacher of stt_bi8_all trails layerdrop_4), then the baselines' third seeds
+  stt_bi8_graded_all_rlr10:0 random_25:1 layerdrop_4:2 layerdrop_10:2 random_75:2 random_25:2
   layerdrop_4:1 stt_bi8_all:1 random_75:1 layerdrop_10:1 stt_bi20_all:1 random_25:1
   layerdrop_4:2 stt_bi8_all:2 random_75:2 layerdrop_10:2 stt_bi20_all:2 random_25:2
   stt_bi8_all_rlr10:1 stt_bi20_all_rlr10:1 stt_bi8_all_rlr10:2 stt_bi20_all_rlr10:2
