@@ -890,14 +890,20 @@ def _model_cfg(r: Dict[str, Any]) -> Dict[str, Any]:
     return (r.get("config") or {}).get("model") or {}
 
 
-def _layer_mean_curve(results: List[Dict[str, Any]], metric: str) -> Tuple[List[int], List[float]]:
-    """Per step, the mean over routed layers (then over seeds) of ``routing/layer_i/<metric>``."""
+def _layer_mean_curve(results: List[Dict[str, Any]], metric: str,
+                      divided_by: Optional[str] = None) -> Tuple[List[int], List[float]]:
+    """Per step, the mean over routed layers (then over seeds) of ``routing/layer_i/<metric>``, or of its ratio
+    to ``routing/layer_i/<divided_by>`` per layer (a scale-free mean when layers differ in scale)."""
     by_step: Dict[int, List[float]] = {}
     for r in results:
         series = (r.get("curves") or {}).get("series") or {}
         keys = [k for k in series if k.startswith("routing/layer_") and k.endswith("/" + metric)]
         for i, step in enumerate((r.get("curves") or {}).get("steps") or []):
-            values = [series[k][i] for k in keys if series[k][i] is not None]
+            if divided_by is None:
+                values = [series[k][i] for k in keys if series[k][i] is not None]
+            else:
+                pairs = [(series[k][i], (series.get(k[: -len(metric)] + divided_by) or [None] * (i + 1))[i]) for k in keys]
+                values = [num / den for num, den in pairs if num is not None and den]
             if values:
                 by_step.setdefault(step, []).append(statistics.fmean(values))
     steps = sorted(by_step)
@@ -953,15 +959,16 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
     for n in surprise:
         rs = runs[n]
         steps, pred = _mean_curve(rs, "loss/pred")
+        share_steps, share = _layer_mean_curve(rs, "d_ch", divided_by="d_st")
         ce_steps, ce = _layer_mean_curve(rs, "teacher_ce_share")
         _, cu = _layer_mean_curve(rs, "teacher_cu_share")
         agreement = _layer_values(rs, "teacher/agreement_accuracy")
         style = "-" if rs[0]["variant"] == "stt" else "--"
-        if steps:
-            axes[0, 0].plot(steps, pred, style, label=f"{n} ({'TPN' if rs[0]['variant'] == 'stt' else 'PriorFFN'})")
+        if share_steps:
+            axes[0, 0].plot(share_steps, share, style, label=f"{n} ({'TPN' if rs[0]['variant'] == 'stt' else 'PriorFFN'})")
         if ce_steps:
-            axes[1, 0].plot(ce_steps, ce, style, label=f"{n} CE")
-            axes[1, 0].plot(ce_steps, cu, style, alpha=0.5, label=f"{n} CU")
+            (ce_line,) = axes[1, 0].plot(ce_steps, ce, style, label=f"{n} CE")
+            axes[1, 0].plot(ce_steps, cu, ":", color=ce_line.get_color(), label=f"{n} CU")
         if agreement:
             axes[1, 1].plot(list(agreement), list(agreement.values()), style, marker="o", label=n)
         fmt = lambda v: f"{v[0]:.3g} → {v[-1]:.3g}" if v else "–"  # noqa: E731
@@ -981,9 +988,11 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
                       + ", ".join(f"{l}: {v:.2f}" for l, v in fractions.items())
                       + (f"; least-squares slope {slope:+.4f} per layer (negative = falls with depth)." if slope is not None else ".")]
     for ax, title, xlabel, ylabel in (
-        (axes[0, 0], "Fig. 2B: predictor loss (PriorFFN dashed, TPN solid)", "optimizer step", "L_pred (MSE)"),
+        # Not the raw L_pred the paper plots: one layer's massive update decides that mean (unexplained_update_share)
+        (axes[0, 0], "Fig. 2B: share of the update the predictor leaves unexplained\n(PriorFFN dashed, TPN solid)",
+         "optimizer step", "D_ch / D_st, mean over routed layers"),
         (axes[0, 1], "Fig. 2C: STT dynamic capacity per layer", "layer", "executed fraction"),
-        (axes[1, 0], "Share of the teacher's choices whose CE / CU fired", "optimizer step", "share"),
+        (axes[1, 0], "Share of the teacher's choices whose CE / CU fired (CU dotted)", "optimizer step", "share"),
         (axes[1, 1], "Teacher–student agreement per layer (STT solid, SDT dashed)", "layer", "accuracy"),
     ):
         ax.set_title(title, fontsize=9)
@@ -993,8 +1002,6 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
             ax.legend(fontsize=6)
         else:
             ax.text(0.5, 0.5, "no run of this kind yet", ha="center", va="center", transform=ax.transAxes)
-    if any(ax.lines for ax in axes.flat):
-        axes[0, 0].set_yscale("log")
     fig.tight_layout()
     fig.savefig(out_dir / "claims.png", dpi=110)
     plt.close(fig)

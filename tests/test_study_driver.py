@@ -454,3 +454,20 @@ def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
     assert rows[("9", "mod_50 − dense")] == ("+1.500 ± 0.000 se (n = 3)", "reproduced")
     # stt_dynamic beats dense by 0.1 on every seed: the contrary effect, beyond 2 se
     assert rows[("9", "stt_dynamic − dense")][1] == "not reproduced"
+
+
+def test_predictor_curve_is_the_mean_per_layer_share_not_the_mean_mse():
+    # Fig. 2B's panel: a layer with a massive update (D_st 1000) must not decide the curve. Per step, layer 1
+    # leaves 0.9 of its update unexplained and layer 3 goes from 0.8 to 0.2; the mean of the shares is plotted.
+    study = load_driver()
+    steps = [1, 2]
+    series = {"routing/layer_1/d_ch": [900.0, 900.0], "routing/layer_1/d_st": [1000.0, 1000.0],
+              "routing/layer_3/d_ch": [0.8, 0.2], "routing/layer_3/d_st": [1.0, 1.0],
+              "routing/layer_5/d_ch": [None, 0.5], "routing/layer_5/d_st": [1.0, 0.0]}  # no value / no update
+    result = {"curves": {"steps": steps, "series": series}}
+    got_steps, shares = study._layer_mean_curve([result], "d_ch", divided_by="d_st")
+    assert got_steps == steps
+    assert shares == pytest.approx([0.85, 0.55])
+    # the raw mean of D_ch would be decided by layer 1 alone
+    _, raw = study._layer_mean_curve([result], "d_ch")
+    assert raw[0] == pytest.approx(450.4)
