@@ -471,3 +471,13 @@ def test_predictor_curve_is_the_mean_per_layer_share_not_the_mean_mse():
     # the raw mean of D_ch would be decided by layer 1 alone
     _, raw = study._layer_mean_curve([result], "d_ch")
     assert raw[0] == pytest.approx(450.4)
+
+
+def test_frontier_queue_lists_every_run_and_seed_of_the_study_and_nothing_else():
+    """queue.sh runs exactly the pairs of queue.txt: a typo there would silently never run (or never finish)."""
+    study = load_driver().load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)
+    defined = {f"{run['name']}:{seed}" for run in study["runs"] for seed in study["seeds"]}
+    text = (REPO / "experiments" / "frontier" / "queue.txt").read_text()
+    listed = [item for line in text.splitlines() for item in line.split("#")[0].split()]
+    assert set(listed) - defined == set(), "queue.txt names runs or seeds the study does not define"
+    assert defined - set(listed) == set(), "study.yaml defines runs queue.txt never runs"
