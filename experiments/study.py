@@ -824,24 +824,49 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
         plt.close(fig)
         written.append(name)
 
-    # (a) frontier: student held-out loss against forward FLOPs ratio
-    fig, ax = plt.subplots(figsize=(9, 4.8))
+    # (a) frontier: student held-out loss against forward FLOPs ratio. Coloured by family (dense, layer dropping,
+    # random, MoD, SDT, STT) and named on the plot: a study has more runs than a legend can tell apart. The two
+    # static baselines are joined across FLOP levels, so a routed run below their line beats them at its compute.
+    fns = dict((h, f) for h, f, _ in _metric_fns())
+    family_colors = {"dense": "black", "layerdrop": "tab:orange", "random": "tab:gray", "mod": "tab:purple",
+                     "sdt": "tab:green", "stt": "tab:blue"}
+    marks = []  # (name, family, x mean, x std, y mean, y std)
     for n in names:
-        fns = dict((h, f) for h, f, _ in _metric_fns())
         xm, xs = _mean_std([fns["fwd FLOPs ratio"](r) for r in runs[n]])
         ym, ys = _mean_std([fns["student loss"](r) for r in runs[n]])
-        if xm is None or ym is None:
-            continue
-        ax.errorbar([xm], [ym], xerr=[xs], yerr=[ys], fmt=markers[n], capsize=3, color=colors[n],
-                    label=f"{n} (n={len(runs[n])})")
-    for n in dense_names:
-        ym, _ = _mean_std([r["heldout"]["student_loss"] for r in runs.get(n, [])])
-        if ym is not None:
-            ax.axhline(ym, color="gray", linestyle="--", linewidth=1, label=f"{n} (reference)")
-    ax.set_xlabel("forward FLOPs per token ÷ dense (closed form)")
-    ax.set_ylabel("held-out loss per token (student)")
-    ax.set_title("Quality–compute frontier (mean ± std over seeds)")
-    finish(fig, ax, "frontier.png", "no run with held-out loss and FLOPs yet", integer_x=False)
+        if xm is not None and ym is not None:
+            marks.append((n, str(runs[n][0].get("variant", "?")), xm, xs, ym, ys))
+    dense_losses = [(n, _mean_std([r["heldout"]["student_loss"] for r in runs.get(n, [])])[0]) for n in dense_names]
+    # Left: every run. Right: the band between dense and the layer-dropping line, where the comparisons are.
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.6))
+    for ax in axes:
+        seen = set()
+        for n, family, xm, xs, ym, ys in marks:
+            color = family_colors.get(family, "tab:brown")
+            ax.errorbar([xm], [ym], xerr=[xs], yerr=[ys], fmt="o", markersize=4, capsize=2, color=color,
+                        label=None if family in seen else family)
+            ax.annotate(f"{n} ({len(runs[n])})", (xm, ym), textcoords="offset points", xytext=(4, 3), fontsize=6,
+                        color=color)
+            seen.add(family)
+        for family in ("layerdrop", "random"):
+            xy = sorted((xm, ym) for _, f, xm, _, ym, _ in marks if f == family)
+            if len(xy) > 1:
+                ax.plot([x for x, _ in xy], [y for _, y in xy], "-", color=family_colors[family], linewidth=1,
+                        alpha=0.6)
+        for n, ym in dense_losses:
+            if ym is not None:
+                ax.axhline(ym, color="gray", linestyle="--", linewidth=1, label=f"{n} (reference)")
+        ax.set_xlabel("forward FLOPs per token ÷ dense (closed form)")
+        ax.set_ylabel("held-out loss per token (student)")
+    axes[0].set_title("Quality–compute frontier (mean ± std over seeds; (n) = seeds)")
+    drop_losses = [ym for _, f, _, _, ym, _ in marks if f == "layerdrop"]
+    floor = min([ym for _, ym in dense_losses if ym is not None] + [ym for *_, ym, _ in marks], default=None)
+    if drop_losses and floor is not None:
+        axes[1].set_ylim(floor - 0.05, max(drop_losses) + 0.15)
+        axes[1].set_title("zoom: dense to the layer-dropping line")
+    else:
+        axes[1].set_title("zoom (no layer-dropping run yet)")
+    finish(fig, axes[0], "frontier.png", "no run with held-out loss and FLOPs yet", integer_x=False)
 
     # (b) training curves
     fig, ax = plt.subplots(figsize=(9, 4.8))
