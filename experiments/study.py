@@ -826,7 +826,8 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
 
     # (a) frontier: student held-out loss against forward FLOPs ratio. Coloured by family (dense, layer dropping,
     # random, MoD, SDT, STT) and named on the plot: a study has more runs than a legend can tell apart. The two
-    # static baselines are joined across FLOP levels, so a routed run below their line beats them at its compute.
+    # static baselines are joined across FLOP levels and to dense (their point at 1.0), so a routed run below
+    # their line beats them at its compute (the comparison experiments/frontier/targets.py makes).
     fns = dict((h, f) for h, f, _ in _metric_fns())
     family_colors = {"dense": "black", "layerdrop": "tab:orange", "random": "tab:gray", "mod": "tab:purple",
                      "sdt": "tab:green", "stt": "tab:blue"}
@@ -849,8 +850,8 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
                         color=color)
             seen.add(family)
         for family in ("layerdrop", "random"):
-            xy = sorted((xm, ym) for _, f, xm, _, ym, _ in marks if f == family)
-            if len(xy) > 1:
+            xy = sorted((xm, ym) for _, f, xm, _, ym, _ in marks if f in (family, "dense"))
+            if any(f == family for _, f, *_ in marks) and len(xy) > 1:
                 ax.plot([x for x, _ in xy], [y for _, y in xy], "-", color=family_colors[family], linewidth=1,
                         alpha=0.6)
         for n, ym in dense_losses:
