@@ -390,13 +390,15 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
         "+0.067 ± 0.017 se (n = 3)", "answered: layer dropping lower")
     assert not any(run.startswith("stt_new teacher") for _, run in rows)  # no teacher loss, no diagnostic row
     # stt_dear is lower than stt_a on no seed's margin, so it is never the best; measured directly, it loses:
-    values, where = targets.matched("stt_dear", ["dense", "layerdrop_7", "layerdrop_4"], *_runs_and_losses(tmp_path))
+    _, runs = load_driver().load_results(tmp_path)
+    losses = {name: targets.by_seed(results) for name, results in runs.items()}
+    values, where = targets.matched("stt_dear", ["dense", "layerdrop_7", "layerdrop_4"], runs, losses)
     assert where == "at 0.830 (layerdrop_7 0.810 ↔ layerdrop_4 0.890)"
     assert [round(values[s], 6) for s in range(3)] == [4.4, 4.5, 4.6]
     # A teacher is charged its own selection, top-k at γ: stt_bi20_all's seed-0 student under-ran its budget
     # (0.705 of dense), its teacher did not (γ 0.5 on 20 layers: 0.763 by the closed form).
     committed = load_driver().load_results(REPO / "experiments" / "frontier")[1]["stt_bi20_all"]
-    assert flops_of(committed, 0) == pytest.approx(0.705, abs=1e-3)
+    assert targets.flops_by_seed(committed)[0] == pytest.approx(0.705, abs=1e-3)
     assert targets.teacher_flops_by_seed(committed)[0] == pytest.approx(0.763, abs=1e-3)
     # above every layer-dropping run, dense is the family's point at 1.0
     assert targets.family_at([(0.89, 4.1), (1.0, 4.0), (0.81, 4.5)], 0.945) == pytest.approx(4.05)
@@ -408,15 +410,6 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     assert rows[("surprise vs MoD (answered either way)", "stt_new − mod_a")][1] == "not yet (1/3 seeds)"
     assert rows[("surprise vs MoD, same recipe", "stt_a − mod_a")][1] == "answered: no difference beyond 2 se"
     assert "Off budget" in markdown and "`mod_far` 0.600" in markdown
-
-
-def flops_of(results, seed):
-    return next(r["compute"]["forward_flops_ratio"] for r in results if r["seed"] == seed)
-
-
-def _runs_and_losses(out_dir):
-    _, runs = load_driver().load_results(out_dir)
-    return runs, {name: {r["seed"]: r["heldout"]["student_loss"] for r in results} for name, results in runs.items()}
 
 
 def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
