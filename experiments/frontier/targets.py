@@ -173,11 +173,12 @@ def targets_table(out_dir: Path) -> str:
         if not routed:
             lines.append(f"| {level} | all | – | no routed run yet | not yet |")
             continue
-        best = min(routed, key=margin)
+        margins = {n: margin(n) for n in routed}
+        best = min(routed, key=margins.get)
         # A new recipe leads on fewer seeds: the best one with every seed is checked too, so a verdict that
         # three seeds already settled stays in the table.
         complete = [n for n in routed if len(losses[n]) >= SEEDS_NEEDED]
-        best_complete = min(complete, key=margin) if complete else None
+        best_complete = min(complete, key=margins.get) if complete else None
         candidates = [best] + ([best_complete] if best_complete not in (None, best) else [])
         for candidate in candidates:
             label = "best" if candidate == best else "best with 3 seeds"
