@@ -370,7 +370,7 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     for name, (variant, ratio, losses, *teacher) in table.items():
         for seed, loss in enumerate(losses):
             heldout = {"student_loss": loss, "teacher_loss": teacher[0][seed] if teacher else None}
-            (tmp_path / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
+            (out / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
                 {"name": name, "seed": seed, "variant": variant, "compute": {"forward_flops_ratio": ratio},
                  "heldout": heldout}))
     targets = _load_frontier_script("targets")
@@ -420,8 +420,11 @@ def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
     def curve(end):  # training loss: from 7.0 down (or up) to `end` over 15 steps, then flat
         return [7.0 + (end - 7.0) * i / 14 for i in range(15)] + [end] * 15
 
-    def write(name, variant, seed, lm_end=5.0, surprise=None, shift=None, fractions=None, agreement=None, loss=5.0):
+    def write(name, variant, seed, lm_end=5.0, surprise=None, shift=None, fractions=None, agreement=None, loss=5.0,
+              executed_end=None, out=tmp_path):
         series = {"loss/lm": curve(lm_end)}
+        if executed_end is not None:  # the teacher's executed fraction falls from 1.0 to `executed_end` on layer 1
+            series["routing/layer_1/teacher_fraction"] = [1.0] * 5 + [executed_end] * 25
         if surprise is not None:  # {layer: (D_st, D_ch)} held-out; the raw L_pred is their mean D_ch
             series["loss/pred"] = [sum(d_ch for _, d_ch in surprise.values()) / len(surprise)] * len(steps)
         if shift is not None:  # CE − CU share moves by `shift` from the first 10 steps to the last 10
@@ -436,7 +439,7 @@ def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
                 layers.setdefault(str(layer), {})["teacher/agreement_accuracy"] = agreement
         for layer, (d_st, d_ch) in (surprise or {}).items():
             layers.setdefault(str(layer), {}).update({"teacher/d_st": d_st, "teacher/d_ch": d_ch})
-        (tmp_path / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
+        (out / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
             {"name": name, "seed": seed, "variant": variant, "curves": {"steps": steps, "series": series},
              "layers": layers, "heldout": {"student_loss": loss}}))
 
@@ -453,17 +456,19 @@ def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
         write("stt_50", "stt", seed, lm_end=5.3 + 0.1 * seed + jitter,
               surprise={1: (1000.0, 900.0), 3: (1.0, 0.5 + jitter)}, shift=-0.3 + jitter,
               agreement=0.80 + 2 * jitter, loss=5.3 + 0.1 * seed + jitter)
-        # dynamic capacity falls with depth on every seed, but seed 2 diverges (training loss ends above its start)
+        # dynamic capacity falls with depth on every seed; its training loss rises on seed 2 while its teacher sheds
+        # compute (not Fig. 2A's claim: no verdict)
         write("stt_dynamic", "stt", seed, lm_end=5.0 if seed < 2 else 9.0,
-              fractions={1: 0.8 + jitter, 3: 0.6, 5: 0.4 - jitter}, loss=3.9 + 0.1 * seed)
+              fractions={1: 0.8 + jitter, 3: 0.6, 5: 0.4 - jitter}, loss=3.9 + 0.1 * seed, executed_end=0.6)
     write("sdt_50_prior0_25", "sdt", 0, surprise={1: (10.0, 3.0), 3: (1.0, 0.3)}, loss=5.4)
     rows = {}
     for line in _load_frontier_script("claims").claims_table(tmp_path).splitlines()[2:]:
         cells = [c.strip() for c in line.split("|")]
         rows[(cells[1].split(" · ")[0], cells[2])] = (cells[3], cells[4])
     assert rows[("1", "mod_50")][1] == "reproduced"
-    assert rows[("1", "stt_dynamic")] == ("training LM loss first 5 → last 15 steps: 6.71 → 5.00, 6.71 → 5.00, "
-                                          "7.29 → 9.00", "not reproduced")
+    assert rows[("1", "stt_dynamic")] == (
+        "training LM loss first 5 → last 15 steps: 6.71 → 5.00, 6.71 → 5.00, 7.29 → 9.00; teacher's executed "
+        "fraction: 1.00 → 0.60, 1.00 → 0.60, 1.00 → 0.60", "no verdict: its compute falls while it trains")
     assert rows[("2", "sdt_50 − mod_50")][1] == "reproduced (no contrary effect beyond 2 se)"
     assert rows[("2", "stt_50 − mod_50")] == ("+0.305 ± 0.009 se (n = 3)", "not reproduced")
     # (0.90 + 0.50 + jitter) / 2 − (0.95 + 0.90) / 2 = −0.225 + jitter / 2: mean −0.2225 (prints −0.223), se 0.0044
@@ -477,6 +482,15 @@ def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
     assert rows[("9", "mod_50 − dense")] == ("+1.500 ± 0.000 se (n = 3)", "reproduced")
     # stt_dynamic beats dense by 0.1 on every seed: the contrary effect, beyond 2 se
     assert rows[("9", "stt_dynamic − dense")][1] == "not reproduced"
+
+    # A fixed-capacity variant whose training loss ends above its start on one seed does not train stably.
+    diverging = tmp_path / "diverging"
+    (diverging / "runs").mkdir(parents=True)
+    for seed in range(3):
+        write("sdt_50", "sdt", seed, lm_end=9.0 if seed == 1 else 5.0, out=diverging)
+    (sdt_row,) = [line for line in _load_frontier_script("claims").claims_table(diverging).splitlines()
+                  if line.startswith("| 1 · Fig. 2A: trains stably | sdt_50 |")]
+    assert "7.29 → 9.00" in sdt_row and sdt_row.endswith("| not reproduced |")
 
 
 def test_predictor_curve_is_the_mean_per_layer_share_not_the_mean_mse():
