@@ -370,7 +370,7 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     for name, (variant, ratio, losses, *teacher) in table.items():
         for seed, loss in enumerate(losses):
             heldout = {"student_loss": loss, "teacher_loss": teacher[0][seed] if teacher else None}
-            (out / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
+            (tmp_path / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
                 {"name": name, "seed": seed, "variant": variant, "compute": {"forward_flops_ratio": ratio},
                  "heldout": heldout}))
     targets = _load_frontier_script("targets")
