@@ -462,13 +462,15 @@ def eleuther_config(study: Dict[str, Any], saved_config: Path, checkpoint_dir: P
     tokenizer, and our checkpointer on its final checkpoint."""
     from omegaconf import OmegaConf
 
+    from torchtune_dtf.models.qwen2_5 import merged_model_config
+
     el = study["eleuther"]
     root = Path(study["_root"])
     template = OmegaConf.to_container(OmegaConf.load(el["config"]), resolve=False)
     saved = OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True)
     cfg = dict(template)
     cfg["output_dir"] = str(eval_dir)
-    cfg["model"] = saved["model"]
+    cfg["model"] = merged_model_config(saved["model"])  # a LoRA run's checkpoint holds LoRA merged into the base
     tokenizer = _absolutize_paths(saved["tokenizer"], root)
     if "tokenizer" in template and "max_seq_len" in template["tokenizer"]:
         tokenizer["max_seq_len"] = template["tokenizer"]["max_seq_len"]

@@ -14,6 +14,8 @@ from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
 from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 
 from tests.conftest import MAX_SEQ_LEN, MOD_ROUTING, SURPRISE_ROUTING, VOCAB
+from torchtune_dtf.evaluation.routing_report import load_trained
+from torchtune_dtf.models.qwen2_5 import merged_model_config
 from torchtune_dtf.modules import RoutingContext, is_routing_key
 from torchtune_dtf.training import ROUTING_WEIGHTS_FNAME, RoutedHFCheckpointer, routed_adapter_state_dict
 
@@ -392,6 +394,36 @@ def test_lora_merged_save_takes_routing_from_model(hf_dir, tmp_path, tokens):
     merged_model.load_state_dict(reloaded, strict=True)
     with torch.no_grad():
         torch.testing.assert_close(merged_model(tokens), model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_lora_run_config_loads_its_merged_checkpoint_into_the_non_lora_twin(hf_dir, tmp_path, tokens):
+    """What the study driver, routing_report and routing_plots do with a LoRA run: the config the recipe saved names
+    the LoRA builder, the checkpoint holds LoRA merged into the base, and the loaded model is the trained one."""
+    cfg, ckpt, model = lora_model_and_checkpointer(hf_dir, tmp_path / "out")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.save_checkpoint({training.MODEL_KEY: get_merged_lora_ckpt(dict(state), rank=4, alpha=8.0)}, epoch=0)
+    run_cfg = OmegaConf.create({
+        "model": cfg,
+        "checkpointer": {"_component_": "torchtune_dtf.training.RoutedHFCheckpointer", "checkpoint_dir": "unused",
+                         "checkpoint_files": [], "model_type": "QWEN2", "output_dir": "unused",
+                         "model": "${model}", "routing_init_seed": 0},
+    })
+    loaded = load_trained(run_cfg, tmp_path / "out" / "epoch_0")
+    assert type(loaded).__name__ == type(model).__name__ and not any(".lora_" in k for k in loaded.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), model(tokens), rtol=1e-4, atol=1e-4)
+    assert run_cfg.model._component_.endswith(".lora_stt_qwen2_5_tiny")  # the caller's config is left as it was
+
+
+def test_merged_model_config_maps_each_lora_builder_to_its_twin():
+    assert merged_model_config(model_config("stt", lora=True)) == model_config("stt")
+    component = {"_component_": "torchtune_dtf.models.qwen2_5.lora_routed_qwen2", "variant": "mod", "capacity": 0.5,
+                 **LORA}
+    assert merged_model_config(component) == {"_component_": "torchtune_dtf.models.qwen2_5.routed_qwen2",
+                                              "variant": "mod", "capacity": 0.5}
+    assert merged_model_config(model_config("mod")) == model_config("mod")
+    with pytest.raises(ValueError, match="no non-LoRA twin 'unknown_qwen2_5_tiny'"):
+        merged_model_config({"_component_": "torchtune_dtf.models.qwen2_5.lora_unknown_qwen2_5_tiny"})
 
 
 def test_adapter_only_without_routing_weights_is_refused(hf_dir, tmp_path):

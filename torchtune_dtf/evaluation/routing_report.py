@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training
 from torchtune.config._utils import _merge_yaml_and_cli_args
 
+from torchtune_dtf.models.qwen2_5 import merged_model_config
 from torchtune_dtf.modules.routing_context import RoutingContext
 from torchtune_dtf.training.checkpointer import hf_weight_files
 from torchtune_dtf.training.routing_losses import routing_metrics
@@ -92,8 +93,13 @@ def load_trained(cfg: DictConfig, checkpoint_dir: Path) -> torch.nn.Module:
 
     A stock folder is a base model that was never routed: the config's checkpointer then initialises the routing
     weights from its ``routing_init_seed`` (what training starts from). Loading writes nothing: the checkpointer's
-    ``output_dir`` is a temporary folder, not one beside a checkpoint the user may not own."""
+    ``output_dir`` is a temporary folder, not one beside a checkpoint the user may not own.
+
+    A LoRA run's config loads its checkpoint into the builder's non-LoRA twin (:func:`merged_model_config`): the
+    recipe saves LoRA merged into the base weights."""
     checkpoint_dir = Path(checkpoint_dir)
+    cfg = cfg.copy()
+    OmegaConf.update(cfg, "model", merged_model_config(OmegaConf.to_container(cfg.model, resolve=True)), merge=False)
     ckpt_cfg = OmegaConf.merge(
         cfg.checkpointer, {"checkpoint_dir": str(checkpoint_dir), "checkpoint_files": hf_weight_files(checkpoint_dir)}
     )

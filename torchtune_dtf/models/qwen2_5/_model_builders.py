@@ -25,6 +25,7 @@ Example:
 """
 
 import functools
+import importlib
 import inspect
 from types import MappingProxyType
 from typing import Any, Callable, List, Mapping, Optional
@@ -957,3 +958,37 @@ def lora_stt_qwen2_5_tiny(
         RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
     """
     return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["tiny"], **locals())
+
+
+LORA_ARGUMENTS = ("lora_attn_modules", "apply_lora_to_mlp", "lora_rank", "lora_alpha", "lora_dropout")
+
+
+def merged_model_config(model_cfg: Mapping[str, Any]) -> dict:
+    """The model config that a LoRA run's saved checkpoint loads into: the builder's non-LoRA twin.
+
+    The recipe saves LoRA merged into copies of the base weights, as torchtune's LoRA recipes do, so a saved
+    ``epoch_N`` holds no ``lora_a``/``lora_b`` weights and loads, strictly, into the twin without LoRA
+    (``lora_stt_qwen2_5_0_5b`` → ``stt_qwen2_5_0_5b``, ``lora_routed_qwen2`` → ``routed_qwen2``), the model the
+    shipped ``configs/eval/lora_*`` configs name. The routing arguments carry over unchanged; the LoRA ones
+    (``LORA_ARGUMENTS``) are dropped. A config without a LoRA builder is returned as it is (as a plain dict).
+
+    Args:
+        model_cfg (Mapping[str, Any]): a config's ``model`` section, ``_component_`` included.
+
+    Returns:
+        dict: the twin's ``model`` section.
+
+    Raises:
+        ValueError: if ``model_cfg`` names a ``lora_*`` builder whose twin does not exist.
+    """
+    cfg = dict(model_cfg)
+    module_name, _, builder = str(cfg["_component_"]).rpartition(".")
+    if not builder.startswith("lora_"):
+        return cfg
+    twin = builder[len("lora_"):]
+    if not hasattr(importlib.import_module(module_name), twin):
+        raise ValueError(f"{cfg['_component_']} is a LoRA builder, but {module_name} has no non-LoRA twin {twin!r} "
+                         "to load its merged checkpoint into")
+    merged = {key: value for key, value in cfg.items() if key not in LORA_ARGUMENTS}
+    merged["_component_"] = f"{module_name}.{twin}"
+    return merged
