@@ -26,6 +26,8 @@ Study file (YAML)
       tasks: [heldout_next_sentence]                   # optional: default the template's
       limit: 100                                       # optional: default the template's
     baselines: [dense]                                 # run names every other run is paired against
+    claims_runs: [stt_papers]                          # optional: the runs claims.png draws (default: every SDT/STT
+                                                       # run; a study of many recipes names the papers' setting)
     runs:
       - name: dense
         config: configs/quickstart/dense_smollm2.yaml
@@ -138,6 +140,7 @@ def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
         raise StudyError(f"{path}: " + "; ".join(problems))
     study.setdefault("budget", {})
     study.setdefault("baselines", [])
+    study.setdefault("claims_runs", None)
     study.setdefault("eleuther", None)
     study.setdefault("validation_points", 4)
     study.setdefault("keep_checkpoints", True)
@@ -171,6 +174,9 @@ def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
     unknown = sorted(set(study["baselines"]) - set(names))
     if unknown:
         problems.append(f"baselines {unknown} are not run names")
+    unknown = sorted(set(study["claims_runs"] or []) - set(names))
+    if unknown:
+        problems.append(f"claims_runs {unknown} are not run names")
     if problems:
         raise StudyError(f"{path}: " + "; ".join(problems))
     study["_root"] = str(root)
@@ -966,12 +972,16 @@ def _slope(xs: List[float], ys: List[float]) -> Optional[float]:
     return None if den == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den
 
 
-def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, Any]]]) -> List[str]:
-    """Numbers and a 4-panel plot (``claims.png``) for the papers' qualitative claims: predictor loss of the
-    PriorFFN (SDT) vs the TPN (STT) over training (Fig. 2B); STT dynamic capacity per layer (Fig. 2C: does it
+def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, Any]]],
+                   plotted: Optional[List[str]] = None) -> List[str]:
+    """Numbers and a 5-panel plot (``claims.png``) for the papers' qualitative claims: training LM loss of the
+    routed runs (Fig. 2A); predictor loss of the PriorFFN (SDT) vs the TPN (STT) over training (Fig. 2B); STT dynamic capacity per layer (Fig. 2C: does it
     fall with depth?); the shares of the teacher's choices whose CE and whose CU criterion fired, early vs
     late in training; teacher–student agreement per layer, STT vs SDT. The verdicts, which need three seeds,
-    are the frontier study's ``experiments/frontier/claims.py``."""
+    are the frontier study's ``experiments/frontier/claims.py``.
+
+    The table has every SDT/STT run; the plot draws those in ``plotted`` (the study's ``claims_runs``), or all of
+    them when it is ``None`` (twenty runs make four unreadable legends)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -980,25 +990,35 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
     names = [n for n in order if runs.get(n)]
     surprise = [n for n in names if runs[n][0].get("variant") in ("sdt", "stt")]
     dynamic = [n for n in surprise if _model_cfg(runs[n][0]).get("teacher_selection") == "threshold"]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    fig, grid = plt.subplots(3, 2, figsize=(11, 12))
+    axes = {"2A": grid[0, 0], "2B": grid[0, 1], "2C": grid[1, 0], "shares": grid[1, 1], "agreement": grid[2, 0]}
+    grid[2, 1].axis("off")
+    # Fig. 2A: the training LM loss of the routed runs (MoD too), as the paper compares them
+    for n in names:
+        if runs[n][0].get("variant") in ("mod", "sdt", "stt") and (plotted is None or n in plotted):
+            steps, lm = _mean_curve(runs[n], "loss/lm")
+            if steps:
+                axes["2A"].plot(steps, lm, "-" if runs[n][0]["variant"] == "stt" else "--" if runs[n][0]["variant"]
+                                == "sdt" else ":", label=f"{n} ({len(runs[n])} seeds)")
     lines = ["## The papers' claims", "",
              "| run | variant | seeds | predictor loss first → last | update share unexplained (held-out D_ch/D_st) "
              "| CE share first → last | CU share first → last | agreement (held-out) |", "|---|---|---|---|---|---|---|---|"]
     for n in surprise:
         rs = runs[n]
+        drawn = plotted is None or n in plotted
         steps, pred = _mean_curve(rs, "loss/pred")
         share_steps, share = _layer_mean_curve(rs, "d_ch", divided_by="d_st")
         ce_steps, ce = _layer_mean_curve(rs, "teacher_ce_share")
         _, cu = _layer_mean_curve(rs, "teacher_cu_share")
         agreement = _layer_values(rs, "teacher/agreement_accuracy")
         style = "-" if rs[0]["variant"] == "stt" else "--"
-        if share_steps:
-            axes[0, 0].plot(share_steps, share, style, label=f"{n} ({'TPN' if rs[0]['variant'] == 'stt' else 'PriorFFN'})")
-        if ce_steps:
-            (ce_line,) = axes[1, 0].plot(ce_steps, ce, style, label=f"{n} CE")
-            axes[1, 0].plot(ce_steps, cu, ":", color=ce_line.get_color(), label=f"{n} CU")
-        if agreement:
-            axes[1, 1].plot(list(agreement), list(agreement.values()), style, marker="o", label=n)
+        if share_steps and drawn:
+            axes["2B"].plot(share_steps, share, style, label=f"{n} ({'TPN' if rs[0]['variant'] == 'stt' else 'PriorFFN'})")
+        if ce_steps and drawn:
+            (ce_line,) = axes["shares"].plot(ce_steps, ce, style, label=f"{n} CE")
+            axes["shares"].plot(ce_steps, cu, ":", color=ce_line.get_color(), label=f"{n} CU")
+        if agreement and drawn:
+            axes["agreement"].plot(list(agreement), list(agreement.values()), style, marker="o", label=n)
         fmt = lambda v: f"{v[0]:.3g} → {v[-1]:.3g}" if v else "–"  # noqa: E731
         mean_agreement = f"{statistics.fmean(agreement.values()):.3f}" if agreement else "–"
         unexplained = unexplained_update_share(rs)
@@ -1007,21 +1027,23 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
                      f"| {mean_agreement} |")
     for n in dynamic:
         fractions = _layer_values(runs[n], "teacher/teacher_fraction")
-        if fractions:
-            axes[0, 1].plot(list(fractions), list(fractions.values()), marker="o", label=f"{n} teacher")
+        if fractions and (plotted is None or n in plotted):
+            axes["2C"].plot(list(fractions), list(fractions.values()), marker="o", label=f"{n} teacher")
             student = _layer_values(runs[n], "student/selected_fraction")
-            axes[0, 1].plot(list(student), list(student.values()), "--", marker=".", label=f"{n} student")
+            axes["2C"].plot(list(student), list(student.values()), "--", marker=".", label=f"{n} student")
             slope = _slope([float(l) for l in fractions], list(fractions.values()))
             lines += ["", f"Dynamic capacity (`{n}`, held-out, teacher g ≥ g_th): per layer "
                       + ", ".join(f"{l}: {v:.2f}" for l, v in fractions.items())
                       + (f"; least-squares slope {slope:+.4f} per layer (negative = falls with depth)." if slope is not None else ".")]
     for ax, title, xlabel, ylabel in (
+        (axes["2A"], "Fig. 2A: training LM loss (mean over seeds; STT solid, SDT dashed, MoD dotted)",
+         "optimizer step", "LM loss"),
         # Not the raw L_pred the paper plots: one layer's massive update decides that mean (unexplained_update_share)
-        (axes[0, 0], "Fig. 2B: share of the update the predictor leaves unexplained\n(PriorFFN dashed, TPN solid)",
+        (axes["2B"], "Fig. 2B: share of the update the predictor leaves unexplained\n(PriorFFN dashed, TPN solid)",
          "optimizer step", "D_ch / D_st, mean over routed layers"),
-        (axes[0, 1], "Fig. 2C: STT dynamic capacity per layer", "layer", "executed fraction"),
-        (axes[1, 0], "Share of the teacher's choices whose CE / CU fired (CU dotted)", "optimizer step", "share"),
-        (axes[1, 1], "Teacher–student agreement per layer (STT solid, SDT dashed)", "layer", "accuracy"),
+        (axes["2C"], "Fig. 2C: STT dynamic capacity per layer", "layer", "executed fraction"),
+        (axes["shares"], "Share of the teacher's choices whose CE / CU fired (CU dotted)", "optimizer step", "share"),
+        (axes["agreement"], "Teacher–student agreement per layer (STT solid, SDT dashed)", "layer", "accuracy"),
     ):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel)
@@ -1157,7 +1179,7 @@ def aggregate(out_dir: Path) -> Path:
     lines += ["## Plots", ""]
     for plot in plots:
         lines += [f"### {titles[plot]}", "", f"![{plot}]({plot})", ""]
-    lines += claims_section(out_dir, order, runs)
+    lines += claims_section(out_dir, order, runs, spec.get("claims_runs"))
     lines += ["## Run files", ""]
     for n in order:
         files = ", ".join(f"[seed {r['seed']}](runs/{run_id(n, r['seed'])}.json)" for r in runs.get(n, []))

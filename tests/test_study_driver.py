@@ -311,6 +311,21 @@ def test_example_study_dry_run_plans_six_runs_without_training():
     assert "save_every_n_steps=10" in proc.stdout and "validation.every_n_steps=10" in proc.stdout
 
 
+def test_study_names_of_baselines_and_claims_runs_must_be_runs(tmp_path):
+    study = load_driver()
+    spec = {"name": "s", "out_dir": "out", "work_dir": "work", "seeds": [0], "heldout": {"file": "h.jsonl"},
+            "baselines": ["dense"], "runs": [{"name": "dense", "config": "d.yaml"}, {"name": "stt", "config": "s.yaml"}]}
+    path = tmp_path / "study.yaml"
+    path.write_text(json.dumps({**spec, "claims_runs": ["stt"]}))
+    assert study.load_study(path, root=tmp_path)["claims_runs"] == ["stt"]
+    path.write_text(json.dumps(spec))
+    assert study.load_study(path, root=tmp_path)["claims_runs"] is None  # the plot then draws every SDT/STT run
+    path.write_text(json.dumps({**spec, "claims_runs": ["stt", "sdt_50"], "baselines": ["layerdrop"]}))
+    with pytest.raises(study.StudyError, match=r"baselines \['layerdrop'\] are not run names; "
+                                               r"claims_runs \['sdt_50'\] are not run names"):
+        study.load_study(path, root=tmp_path)
+
+
 def test_committed_frontier_results_aggregate_to_paired_tables_of_their_own_numbers(tmp_path):
     # The real study's run files: each paired row is the per-seed difference of the two runs' JSONs, and a
     # run with no seed in common with a baseline gets no row of dashes but one line naming it.
