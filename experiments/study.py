@@ -988,6 +988,7 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
     import matplotlib.pyplot as plt
 
     names = [n for n in order if runs.get(n)]
+    drawn = set(names if plotted is None else plotted)
     surprise = [n for n in names if runs[n][0].get("variant") in ("sdt", "stt")]
     dynamic = [n for n in surprise if _model_cfg(runs[n][0]).get("teacher_selection") == "threshold"]
     fig, grid = plt.subplots(3, 2, figsize=(11, 12))
@@ -995,7 +996,7 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
     grid[2, 1].axis("off")
     # Fig. 2A: the training LM loss of the routed runs (MoD too), as the paper compares them
     for n in names:
-        if runs[n][0].get("variant") in ("mod", "sdt", "stt") and (plotted is None or n in plotted):
+        if runs[n][0].get("variant") in ("mod", "sdt", "stt") and n in drawn:
             steps, lm = _mean_curve(runs[n], "loss/lm")
             if steps:
                 axes["2A"].plot(steps, lm, "-" if runs[n][0]["variant"] == "stt" else "--" if runs[n][0]["variant"]
@@ -1005,19 +1006,18 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
              "| CE share first → last | CU share first → last | agreement (held-out) |", "|---|---|---|---|---|---|---|---|"]
     for n in surprise:
         rs = runs[n]
-        drawn = plotted is None or n in plotted
         steps, pred = _mean_curve(rs, "loss/pred")
         share_steps, share = _layer_mean_curve(rs, "d_ch", divided_by="d_st")
         ce_steps, ce = _layer_mean_curve(rs, "teacher_ce_share")
         _, cu = _layer_mean_curve(rs, "teacher_cu_share")
         agreement = _layer_values(rs, "teacher/agreement_accuracy")
         style = "-" if rs[0]["variant"] == "stt" else "--"
-        if share_steps and drawn:
+        if share_steps and n in drawn:
             axes["2B"].plot(share_steps, share, style, label=f"{n} ({'TPN' if rs[0]['variant'] == 'stt' else 'PriorFFN'})")
-        if ce_steps and drawn:
+        if ce_steps and n in drawn:
             (ce_line,) = axes["shares"].plot(ce_steps, ce, style, label=f"{n} CE")
             axes["shares"].plot(ce_steps, cu, ":", color=ce_line.get_color(), label=f"{n} CU")
-        if agreement and drawn:
+        if agreement and n in drawn:
             axes["agreement"].plot(list(agreement), list(agreement.values()), style, marker="o", label=n)
         fmt = lambda v: f"{v[0]:.3g} → {v[-1]:.3g}" if v else "–"  # noqa: E731
         mean_agreement = f"{statistics.fmean(agreement.values()):.3f}" if agreement else "–"
@@ -1027,7 +1027,7 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
                      f"| {mean_agreement} |")
     for n in dynamic:
         fractions = _layer_values(runs[n], "teacher/teacher_fraction")
-        if fractions and (plotted is None or n in plotted):
+        if fractions and n in drawn:
             axes["2C"].plot(list(fractions), list(fractions.values()), marker="o", label=f"{n} teacher")
             student = _layer_values(runs[n], "student/selected_fraction")
             axes["2C"].plot(list(student), list(student.values()), "--", marker=".", label=f"{n} student")

@@ -169,7 +169,7 @@ def claims_table(out_dir: Path) -> str:
         pd = one_sample(per_seed(runs, name, metric))
         row(claim, name, targets.fmt(pd) + unit, verdict(pd, claimed_sign))
 
-    # 1. stable training: every seed of every paper variant ends below where it began
+    # 1. stable training: every seed of every fixed-capacity variant ends below where it began
     lm_start = curve_mean("loss/lm", slice(None, FIRST_STEPS))
     lm_end = curve_mean("loss/lm", slice(-LAST_STEPS, None))
     for name in FIXED_CAPACITY:
