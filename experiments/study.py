@@ -250,6 +250,16 @@ OFF_WHEN = {
     "capacity_curriculum": lambda v: v.get("ramp_steps") == 0,
     "distillation": lambda v: v.get("weight") == 0,
 }
+#: The same for keys added to the ``model`` section: absent from a result, unchanged if now off.
+MODEL_OFF_WHEN = {
+    "dropped_layers": lambda v: v == [],
+}
+
+
+def _model_as_recorded(planned: Dict[str, Any], recorded: Dict[str, Any]) -> Dict[str, Any]:
+    """``planned``'s model section without the later-added keys that ``recorded`` lacks and that are off."""
+    return {key: value for key, value in planned.items()
+            if key in recorded or key not in MODEL_OFF_WHEN or not MODEL_OFF_WHEN[key](value)}
 
 
 def planned_config(study: Dict[str, Any], run: Dict[str, Any], seed: int, output_dir: Path) -> Dict[str, Any]:
@@ -268,6 +278,8 @@ def stale_keys(study: Dict[str, Any], run: Dict[str, Any], result: Dict[str, Any
     its old numbers in the tables without a word."""
     planned = planned_config(study, run, int(result["seed"]), Path(result["output_dir"]))
     recorded = result.get("config") or {}
+    if isinstance(planned.get("model"), dict) and isinstance(recorded.get("model"), dict):
+        planned["model"] = _model_as_recorded(planned["model"], recorded["model"])
     return [key for key in COMPARED_KEYS if planned.get(key) != recorded.get(key)
             and not (key not in recorded and key in OFF_WHEN and OFF_WHEN[key](planned.get(key) or {}))]
 

@@ -22,6 +22,7 @@ MOD_ROUTING = dict(
     allow_noncausal_student_topk=False,
     skipped_tokens_write_kv=False,
     skip_update="none",
+    dropped_layers=[],
 )
 SURPRISE_ROUTING = dict(
     MOD_ROUTING,

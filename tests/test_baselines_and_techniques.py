@@ -75,6 +75,64 @@ def test_invalid_dropped_layers_are_rejected_naming_the_problem(bad, message):
         routed_qwen2("layerdrop", **tiny_architecture(), dropped_layers=bad)
 
 
+# ---- layer dropping inside a routed model --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["mod", "stt"])
+def test_routed_model_drops_whole_layers_and_routes_the_others(variant, tokens):
+    """``dropped_layers`` in a routed config: the dropped layer runs on no token in every mode, the routed
+    layer still routes, and the checkpoint keys stay the dense model's."""
+    dense = build_tiny("dense")
+    hybrid = build_tiny(variant, routed_layers=[1], dropped_layers=[2])
+    assert [type(layer).__name__ for layer in hybrid.layers][1:3] == [type(build_tiny(variant).layers[1]).__name__,
+                                                                      "DroppedLayer"]
+    backbone = {k for k in hybrid.state_dict() if "router" not in k and "transition" not in k}
+    assert backbone == set(dense.state_dict())
+    with torch.no_grad():
+        # dense mode: the routed layer runs every token, the dropped one none — layer dropping of layer 2
+        layerdrop = build_tiny("layerdrop", dropped_layers=[2])
+        torch.testing.assert_close(hybrid(tokens, routing=RoutingContext(mode="dense")), layerdrop(tokens),
+                                   rtol=1e-5, atol=1e-5)
+        # student mode: layer 1 routes (some tokens skip it), layer 2 is the identity
+        ctx = RoutingContext(mode="student")
+        h = hybrid.layers[1](hybrid.layers[0](hybrid.tok_embeddings(tokens)), routing=ctx)
+        expected = hybrid.output(hybrid.norm(hybrid.layers[3](h)))
+        student_ctx = RoutingContext(mode="student")
+        torch.testing.assert_close(hybrid(tokens, routing=student_ctx), expected, rtol=1e-5, atol=1e-5)
+    assert sorted(student_ctx.layers) == [1]
+    executed = student_ctx.layers[1].selected_mask
+    assert 0 < executed.sum() < executed.numel()
+
+
+@pytest.mark.parametrize("write_kv", [False, True])
+def test_cached_decoding_of_a_routed_model_with_dropped_layers_matches_its_full_forward(write_kv, tokens):
+    model = build_tiny("stt", routed_layers=[1], dropped_layers=[2], skipped_tokens_write_kv=write_kv,
+                       skip_update="predicted" if write_kv else "none").eval()
+    with torch.no_grad():
+        full = model(tokens)
+        model.setup_caches(batch_size=tokens.shape[0], dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+        incremental, executed = decode_incrementally(model, tokens, prompt_len=9)
+    torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-4)
+    assert sorted(executed) == [1] and 0 < executed[1].sum() < executed[1].numel()
+
+
+@pytest.mark.parametrize("variant, routing, message", [
+    ("stt", dict(routed_layers=[1, 3], dropped_layers=[3]), r"layers \[3\] are both routed and dropped"),
+    ("sdt", dict(routed_layers=[3], dropped_layers=[2]), r"SDT Decision layer\(s\) \[2\] .* cannot be dropped"),
+    ("mod", dict(routed_layers=[1], dropped_layers=[7]), r"dropped_layers \[7\] are outside"),
+])
+def test_invalid_dropped_layers_of_a_routed_model_are_rejected(variant, routing, message):
+    with pytest.raises(ValueError, match=message):
+        routed_qwen2(variant, **tiny_architecture(), **routing_kwargs(variant, **routing))
+
+
+def test_a_routed_config_without_dropped_layers_is_rejected():
+    routing = routing_kwargs("stt")
+    del routing["dropped_layers"]
+    with pytest.raises(ValueError, match="missing required routing hyperparameter.*dropped_layers"):
+        routed_qwen2("stt", **tiny_architecture(), **routing)
+
+
 # ---- random routing ----------------------------------------------------------------------------------
 
 

@@ -275,7 +275,7 @@ def test_shapes_read_from_shipped_configs_equal_the_named_shapes():
     rshape = cf.routing_shape_from_model_config(model, shape.num_layers, shape.embed_dim)
     assert rshape.routed_layers == tuple(range(1, 29, 2)) and rshape.capacity == (0.5,) * 14
     assert (rshape.router_inputs, rshape.router_hidden, rshape.predictor_width) == (2, 64, 36)
-    # today's configs carry none of the option keys: their meaning when absent
+    # the config turns every technique option off
     assert (rshape.dropped_layers, rshape.skipped_tokens_write_kv, rshape.skip_update) == ((), False, "none")
     routing = {k: v for k, v in model.items() if k not in cf.ARCH_KEYS}
     assert cf.routing_shape("stt", 30, 576, routing) == rshape
@@ -298,6 +298,35 @@ def test_layerdrop_closed_form_removes_exactly_the_dropped_layers_cost():
     assert out["kv_bytes_per_token"] == 2 * TOY.kv_values_per_token * 4
     assert out["forward_flops_ratio"] == pytest.approx((dense["total"] - dense["block_linear"] / 2 - dense["attention"] / 2)
                                                       / dense["total"])
+
+
+def test_dropping_a_layer_of_a_routed_model_removes_exactly_its_dense_cost(dense):
+    """A routed model with ``dropped_layers``: the closed form removes the dropped layer's whole cost (no router,
+    no K/V projection), keeps the routed layer's, and matches FlopCounterMode on the built model."""
+    from benchmarks.common import calibrate_student_threshold
+    from torchtune_dtf.modules import RoutingContext
+
+    T = 48
+    for write_kv in (False, True):
+        hybrid = _rshape("stt", routed_layers=[1], dropped_layers=[2], skipped_tokens_write_kv=write_kv)
+        routed_only = _rshape("stt", routed_layers=[1], skipped_tokens_write_kv=write_kv)
+        f, r = cf.forward_flops(TOY, hybrid, T), cf.forward_flops(TOY, routed_only, T)
+        one_layer = (cf.forward_flops(TOY, cf.RoutingShape.dense(), T)["total"]
+                     - cf.forward_flops(TOY, _rshape("layerdrop", dropped_layers=[2]), T)["total"])
+        assert f["total"] == r["total"] - one_layer and f["routers"] == r["routers"] > 0
+    shape = cf.model_shape("tiny")
+    tokens = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
+    routing = routing_for("stt", capacity=0.5, student="threshold", routed_layers=[1], dropped_layers=[2],
+                          skipped_tokens_write_kv=True)
+    model = build_like(dense, "stt", "tiny", **routing)
+    fractions = calibrate_student_threshold(model, tokens, 0.4)
+    with torch.no_grad(), flop_counter() as counter:
+        model(tokens, routing=RoutingContext(mode="student"))
+    rshape = cf.routing_shape_from_model_config({"variant": "stt", **routing}, shape.num_layers, shape.embed_dim)
+    assert rshape.dropped_layers == (2,) and rshape.routed_layers == (1,)
+    out = cf.per_token_compute(shape, rshape, T, fractions)
+    assert out["forward_flops_per_token"] * T == pytest.approx(categorize_flops(counter)["total"], rel=1e-9)
+    assert out["kv_bytes_ratio"] == pytest.approx(3 / 4)  # layers 0, 1 (every token writes K/V) and 3; not 2
 
 
 def test_random_routing_has_no_router_flops():

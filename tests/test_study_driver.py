@@ -354,6 +354,20 @@ def test_committed_frontier_results_aggregate_to_paired_tables_of_their_own_numb
         assert (note in section) if unpaired else ("No seed paired" not in section)
 
 
+def test_a_model_key_added_after_a_run_finished_leaves_it_current_only_while_off():
+    # The committed results trained before routed configs carried `dropped_layers`; `[]` (off) keeps them
+    # current, while a study that now drops a layer makes the same result stale.
+    study = load_driver()
+    spec = study.load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)
+    run = next(r for r in spec["runs"] if r["name"] == "stt_50")
+    result = json.loads((REPO / "experiments" / "frontier" / "runs" / "stt_50__seed0.json").read_text())
+    assert "dropped_layers" not in result["config"]["model"]
+    assert study.planned_config(spec, run, 0, Path(result["output_dir"]))["model"]["dropped_layers"] == []
+    assert study.stale_keys(spec, run, result) == []
+    dropping = {**run, "overrides": {**run["overrides"], "model.dropped_layers": [14]}}
+    assert study.stale_keys(spec, dropping, result) == ["model"]
+
+
 def _load_frontier_script(name):
     spec = importlib.util.spec_from_file_location(f"frontier_{name}", REPO / "experiments" / "frontier" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

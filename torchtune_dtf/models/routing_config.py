@@ -29,6 +29,7 @@ COMMON_KEYS = (
     "allow_noncausal_student_topk",
     "skipped_tokens_write_kv",
     "skip_update",
+    "dropped_layers",
 )
 #: ``routed_layers`` / ``dropped_layers``: a name from ``PLACEMENTS`` or a list of layer indices.
 Placement = Union[str, List[int]]
@@ -86,7 +87,7 @@ class RoutingSpec:
     allow_noncausal_student_topk: Optional[bool] = None
     skipped_tokens_write_kv: Optional[bool] = None
     skip_update: Optional[str] = None
-    dropped_layers: List[int] = field(default_factory=list)
+    dropped_layers: List[int] = field(default_factory=list)  # layerdrop, or whole layers a routed model drops
 
 
 def _is_real(value: Any) -> bool:
@@ -211,6 +212,20 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
                 f"skip_update: predicted needs a forecast of the block's own update (the STT transition network); "
                 f"variant '{variant}' has none (SDT's PriorFFN predicts the Decision layer's update), use 'none'"
             )
+    # A routed model may also drop whole layers (static layer dropping on the layers no token needs, routing
+    # on the marginal ones): a dropped layer runs on no token and pays no router or K/V projection.
+    dropped: List[int] = []
+    if "dropped_layers" in routing:
+        dropped = _resolve_layers(routing["dropped_layers"], num_layers, problems, key="dropped_layers")
+        both = sorted(set(dropped) & set(layers))
+        if both:
+            problems.append(f"layers {both} are both routed and dropped; a layer is one or the other")
+        if variant == "sdt":
+            needed = sorted({i - 1 for i in layers} & set(dropped))
+            if needed:
+                problems.append(f"SDT Decision layer(s) {needed} (the layer before a routed one) cannot be dropped")
+        if dropped and len(dropped) == num_layers:
+            problems.append("dropped_layers drops every layer")
     if layers == [] and "routed_layers" in routing and not problems:
         problems.append(f"routed_layers resolves to no layer for variant '{variant}'; use variant 'dense' for a dense model")
 
@@ -233,5 +248,5 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
 
     if problems:
         raise ValueError("Invalid routing configuration:\n  - " + "\n  - ".join(problems))
-    values.update(routed_layers=layers, capacity=capacities)
+    values.update(routed_layers=layers, capacity=capacities, dropped_layers=dropped)
     return RoutingSpec(variant=variant, **values)

@@ -35,6 +35,7 @@ _MOD = dict(
     allow_noncausal_student_topk=False,
     skipped_tokens_write_kv=False,
     skip_update="none",
+    dropped_layers=[],
 )
 # configs/sdt_qwen0_5b.yaml: MoD's values with the straight-through gate, plus the surprise keys.
 _SDT = dict(

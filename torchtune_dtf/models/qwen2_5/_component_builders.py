@@ -258,6 +258,11 @@ def routed_qwen2(
             whole context (the layer then saves no KV cache).
         skip_update (str): what a skipped token receives: ``"none"`` (it passes unchanged) or
             ``"predicted"`` (STT only: its transition network's forecast of the block's update).
+        dropped_layers (Union[str, List[int]]): layers that run on no token, as ``layerdrop``'s (``[]``: none);
+            disjoint from ``routed_layers`` and, for SDT, from the Decision layers. A dropped layer costs no
+            router and no K/V projection, so a budget can drop the layers no token needs and route the
+            marginal ones. ``RoutingContext(mode="dense")`` runs the routed layers on every token; dropped
+            layers stay dropped (the distillation teacher, built without routing keys, runs them).
 
     Routing arguments of SDT and STT only:
         prior_factor (float): f ∈ (0, 1]; the PriorFFN (SDT) or transition network (STT) has hidden width

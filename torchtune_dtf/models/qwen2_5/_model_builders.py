@@ -147,7 +147,7 @@ def mod_qwen2_5_0_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
 ) -> RoutedTransformerDecoder:
     """MoD (Mixture-of-Depths) Qwen2.5-0.5B (24 layers, d = 896).
 
@@ -167,7 +167,7 @@ def mod_qwen2_5_1_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
 ) -> RoutedTransformerDecoder:
     """MoD (Mixture-of-Depths) Qwen2.5-1.5B (28 layers, d = 1536).
 
@@ -187,7 +187,7 @@ def mod_qwen2_5_3b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
 ) -> RoutedTransformerDecoder:
     """MoD (Mixture-of-Depths) Qwen2.5-3B (36 layers, d = 2048).
 
@@ -207,7 +207,7 @@ def mod_qwen2_5_7b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
 ) -> RoutedTransformerDecoder:
     """MoD (Mixture-of-Depths) Qwen2.5-7B (28 layers, d = 3584).
 
@@ -228,7 +228,7 @@ def mod_qwen2_5_tiny(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
 ) -> RoutedTransformerDecoder:
     """MoD (Mixture-of-Depths) tiny Qwen2.5-shaped model (4 layers, d = 64).
 
@@ -252,7 +252,7 @@ def sdt_qwen2_5_0_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -274,7 +274,7 @@ def sdt_qwen2_5_1_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -296,7 +296,7 @@ def sdt_qwen2_5_3b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -318,7 +318,7 @@ def sdt_qwen2_5_7b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -341,7 +341,7 @@ def sdt_qwen2_5_tiny(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -367,7 +367,7 @@ def stt_qwen2_5_0_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -389,7 +389,7 @@ def stt_qwen2_5_1_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -411,7 +411,7 @@ def stt_qwen2_5_3b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -433,7 +433,7 @@ def stt_qwen2_5_7b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -456,7 +456,7 @@ def stt_qwen2_5_tiny(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -575,7 +575,7 @@ def lora_mod_qwen2_5_0_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
 ) -> RoutedTransformerDecoder:
     """LoRA MoD (Mixture-of-Depths) Qwen2.5-0.5B (24 layers, d = 896).
 
@@ -599,7 +599,7 @@ def lora_mod_qwen2_5_1_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
 ) -> RoutedTransformerDecoder:
     """LoRA MoD (Mixture-of-Depths) Qwen2.5-1.5B (28 layers, d = 1536).
 
@@ -623,7 +623,7 @@ def lora_mod_qwen2_5_3b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
 ) -> RoutedTransformerDecoder:
     """LoRA MoD (Mixture-of-Depths) Qwen2.5-3B (36 layers, d = 2048).
 
@@ -647,7 +647,7 @@ def lora_mod_qwen2_5_7b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
 ) -> RoutedTransformerDecoder:
     """LoRA MoD (Mixture-of-Depths) Qwen2.5-7B (28 layers, d = 3584).
 
@@ -672,7 +672,7 @@ def lora_mod_qwen2_5_tiny(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
 ) -> RoutedTransformerDecoder:
     """LoRA MoD (Mixture-of-Depths) tiny Qwen2.5-shaped model (4 layers, d = 64).
 
@@ -700,7 +700,7 @@ def lora_sdt_qwen2_5_0_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -726,7 +726,7 @@ def lora_sdt_qwen2_5_1_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -752,7 +752,7 @@ def lora_sdt_qwen2_5_3b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -778,7 +778,7 @@ def lora_sdt_qwen2_5_7b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -805,7 +805,7 @@ def lora_sdt_qwen2_5_tiny(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -835,7 +835,7 @@ def lora_stt_qwen2_5_0_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -861,7 +861,7 @@ def lora_stt_qwen2_5_1_5b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -887,7 +887,7 @@ def lora_stt_qwen2_5_3b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -913,7 +913,7 @@ def lora_stt_qwen2_5_7b(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
@@ -940,7 +940,7 @@ def lora_stt_qwen2_5_tiny(
     student_routing_mode: str, student_threshold: Optional[float],
     causal_router_input: str, causal_router_hidden_dim: int, routing_init_std: float,
     gate: str, always_run_first_token: bool, allow_noncausal_student_topk: bool,
-    skipped_tokens_write_kv: bool, skip_update: str,
+    skipped_tokens_write_kv: bool, skip_update: str, dropped_layers: Placement,
     prior_factor: float, ma_window: int, o_ce_init: float, m_cu_init: float,
     teacher_selection: str, gate_threshold: Optional[float],
 ) -> RoutedTransformerDecoder:
