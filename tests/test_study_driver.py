@@ -431,6 +431,11 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     assert targets.teacher_flops_by_seed(committed)[0] == pytest.approx(0.763, abs=1e-3)
     # above every layer-dropping run, dense is the family's point at 1.0
     assert targets.family_at([(0.89, 4.1), (1.0, 4.0), (0.81, 4.5)], 0.945) == pytest.approx(4.05)
+    # the same layers dropped with and without distillation: the family takes the lower loss at those FLOPs
+    with_distilled = [(0.81, 4.5), (0.89, 4.1), (0.81, 4.3)]
+    assert targets.family_at(with_distilled, 0.81) == pytest.approx(4.3)
+    assert targets.family_at(with_distilled, 0.85) == pytest.approx(4.2)
+    assert targets.family_at(with_distilled, 0.80) == pytest.approx(4.3)
     # papers → dense gap closed by the best recipe (stt_new, seed 0 only): (6.0 − 4.0) / (6.0 − 4.0) = 100 %
     assert rows[("closes ≥ 70 % of papers→dense gap", "stt_new vs stt_papers_50, dense")] == (
         "100% closed (n = 1)", "not yet (1/3 seeds)")

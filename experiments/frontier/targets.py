@@ -6,7 +6,8 @@ Runs are grouped by the forward FLOPs they *measured* (closed form at the studen
 held-out windows), not by their names: a run belongs to a level (0.90, 0.81, 0.72 of dense) when its mean FLOPs
 ratio is within ±0.03 of it; a run whose student executes far from its budget is listed as off-budget. The
 baselines are the layer-dropping and random-routing runs (``layerdrop_4/7/10``, ``random_75/50/25``), wherever
-their FLOPs fall.
+their FLOPs fall; layer dropping trained with the routed recipes' distillation (``layerdrop_N_distill``) is part
+of the layer-dropping family, which takes per seed the lower loss of the runs at the same FLOPs.
 At each level the *best routed recipe* is the routed run (MoD/SDT/STT, any technique) furthest below layer
 dropping at its own FLOPs (mean over seeds; the lowest mean loss while no layer-dropping run exists); the
 comparisons are paired by seed, and a target is "met" only with three seeds and the margin the issue names:
@@ -84,8 +85,13 @@ def teacher_flops_by_seed(results):
 
 def family_at(points, flops: float):
     """A baseline family's loss at ``flops``: ``points`` are its (FLOPs, loss) at one seed; linear between the two
-    that bracket ``flops``, the cheapest point's loss below them all, None above them all."""
-    points = sorted(points)
+    that bracket ``flops``, the cheapest point's loss below them all, None above them all. Runs at the same FLOPs
+    (the same dropped layers trained with and without distillation) give the family their lower loss: the
+    strongest baseline there."""
+    best = {}
+    for x, y in points:
+        best[x] = min(y, best.get(x, y))
+    points = sorted(best.items())
     if not points:
         return None
     if flops <= points[0][0]:
