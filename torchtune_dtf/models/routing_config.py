@@ -115,6 +115,16 @@ def _resolve_layers(
     return layers
 
 
+def _resolve_dropped(routing: Dict[str, Any], num_layers: int, problems: List[str]) -> List[int]:
+    """``dropped_layers`` resolved (``[]`` when absent), with the check every variant that drops layers shares."""
+    if "dropped_layers" not in routing:
+        return []
+    dropped = _resolve_layers(routing["dropped_layers"], num_layers, problems, key="dropped_layers")
+    if len(dropped) == num_layers:
+        problems.append("dropped_layers drops every layer")
+    return dropped
+
+
 def capacity_per_layer(routed_layers: Placement, layers: Sequence[int], capacities: Sequence[float]) -> List[float]:
     """One γ per layer of ``layers`` (the resolved, sorted placement) from ``capacities``, which lists one γ per
     layer in the order the config's ``routed_layers`` lists them, not in index order: a placement written in any
@@ -150,13 +160,9 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
     if unknown:
         problems.append(f"unknown routing hyperparameter(s) for variant '{variant}': {', '.join(unknown)}")
     if variant in STATIC_VARIANTS:
-        dropped = []
-        if variant == "layerdrop" and "dropped_layers" in routing:
-            dropped = _resolve_layers(routing["dropped_layers"], num_layers, problems, key="dropped_layers")
-            if not dropped and not problems:
-                problems.append("dropped_layers resolves to no layer; use variant 'dense' for a dense model")
-            if len(dropped) == num_layers:
-                problems.append("dropped_layers drops every layer")
+        dropped = _resolve_dropped(routing, num_layers, problems) if variant == "layerdrop" else []
+        if variant == "layerdrop" and "dropped_layers" in routing and not dropped and not problems:
+            problems.append("dropped_layers resolves to no layer; use variant 'dense' for a dense model")
         if problems:
             raise ValueError("Invalid routing configuration:\n  - " + "\n  - ".join(problems))
         return RoutingSpec(variant=variant, routed_layers=[], capacity=[], dropped_layers=dropped)
@@ -214,18 +220,13 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
             )
     # A routed model may also drop whole layers (static layer dropping on the layers no token needs, routing
     # on the marginal ones): a dropped layer runs on no token and pays no router or K/V projection.
-    dropped: List[int] = []
-    if "dropped_layers" in routing:
-        dropped = _resolve_layers(routing["dropped_layers"], num_layers, problems, key="dropped_layers")
-        both = sorted(set(dropped) & set(layers))
-        if both:
-            problems.append(f"layers {both} are both routed and dropped; a layer is one or the other")
-        if variant == "sdt":
-            needed = sorted({i - 1 for i in layers} & set(dropped))
-            if needed:
-                problems.append(f"SDT Decision layer(s) {needed} (the layer before a routed one) cannot be dropped")
-        if dropped and len(dropped) == num_layers:
-            problems.append("dropped_layers drops every layer")
+    dropped = _resolve_dropped(routing, num_layers, problems)
+    both = sorted(set(dropped) & set(layers))
+    if both:
+        problems.append(f"layers {both} are both routed and dropped; a layer is one or the other")
+    needed = sorted({i - 1 for i in layers} & set(dropped)) if variant == "sdt" else []
+    if needed:
+        problems.append(f"SDT Decision layer(s) {needed} (the layer before a routed one) cannot be dropped")
     if layers == [] and "routed_layers" in routing and not problems:
         problems.append(f"routed_layers resolves to no layer for variant '{variant}'; use variant 'dense' for a dense model")
 
