@@ -250,16 +250,14 @@ OFF_WHEN = {
     "capacity_curriculum": lambda v: v.get("ramp_steps") == 0,
     "distillation": lambda v: v.get("weight") == 0,
 }
-#: The same for keys added to the ``model`` section: absent from a result, unchanged if now off.
-MODEL_OFF_WHEN = {
-    "dropped_layers": lambda v: v == [],
-}
-
-
 def _model_as_recorded(planned: Dict[str, Any], recorded: Dict[str, Any]) -> Dict[str, Any]:
-    """``planned``'s model section without the later-added keys that ``recorded`` lacks and that are off."""
-    return {key: value for key, value in planned.items()
-            if key in recorded or key not in MODEL_OFF_WHEN or not MODEL_OFF_WHEN[key](value)}
+    """``planned``'s model section without the later-added keys that ``recorded`` lacks and that are off: the
+    recipe's own table of them (``ADDED_FINGERPRINT_ENTRIES``), by which an older checkpoint still resumes."""
+    from torchtune_dtf.recipes.routed_finetune import ADDED_FINGERPRINT_ENTRIES
+
+    off = {key.removeprefix("model."): value for key, value in ADDED_FINGERPRINT_ENTRIES.items()
+           if key.startswith("model.")}
+    return {key: value for key, value in planned.items() if key in recorded or key not in off or value != off[key]}
 
 
 def planned_config(study: Dict[str, Any], run: Dict[str, Any], seed: int, output_dir: Path) -> Dict[str, Any]:

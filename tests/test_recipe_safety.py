@@ -292,6 +292,41 @@ def test_resume_refuses_changes_it_cannot_honour(override, expected, workdir):  
     assert "Cannot resume" in str(err.value) and "checkpoint_dir=" in str(err.value)
 
 
+def test_a_checkpoint_older_than_a_config_key_resumes_while_the_key_is_off(workdir):  # noqa: F811
+    """``model.dropped_layers`` became a required key after runs had checkpointed: such a checkpoint's fingerprint
+    lacks it. With ``[]`` (what those runs computed) it resumes; dropping a layer is a change it cannot honour."""
+    overrides = dict(max_steps_per_epoch=6, save_every_n_steps=2)
+    crashed = RoutedFinetuneRecipe(load_config("stt_train", **overrides))
+    crashed.setup(load_config("stt_train", **overrides))
+    crashed._optimizer.step = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt) if crashed.global_step == 2 else None
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    (folder,) = checkpoint_folders(workdir / "outputs").values()
+    state = torch.load(folder / "recipe_state.pt", weights_only=True)
+
+    def write_as_if_saved(state):  # the manifest records each file's size
+        torch.save(state, folder / "recipe_state.pt")
+        manifest = manifest_of(folder)
+        manifest["files"]["recipe_state.pt"] = (folder / "recipe_state.pt").stat().st_size
+        (folder / "checkpoint.json").write_text(json.dumps(manifest))
+
+    assert state["resume_fingerprint"].pop("model.dropped_layers") == []
+    write_as_if_saved(state)
+
+    dropping = load_config("stt_train", resume_from_checkpoint=True, **overrides, **{"model.dropped_layers": [2]})
+    with pytest.raises(ValueError, match=re.escape("model.dropped_layers: checkpoint [], config [2]")):
+        RoutedFinetuneRecipe(dropping).setup(dropping)
+    cfg = load_config("stt_train", resume_from_checkpoint=True, **overrides)
+    resumed = RoutedFinetuneRecipe(cfg)
+    resumed.setup(cfg)
+    assert resumed.global_step == 2
+    # Any other entry a checkpoint lacks is still a difference.
+    state["resume_fingerprint"].pop("model.capacity")
+    write_as_if_saved(state)
+    with pytest.raises(ValueError, match=re.escape("model.capacity: checkpoint '<absent>', config 0.5")):
+        RoutedFinetuneRecipe(cfg).setup(cfg)
+
+
 # ------------------------------------------------------------------------------ loading invents nothing
 def _trained_checkpoint(workdir):  # noqa: F811
     run_recipe(load_config("stt_train", max_steps_per_epoch=2))

@@ -119,6 +119,10 @@ RESUME_INVARIANT_KEYS = (
     "routing_loss_weights", "beta_schedule", "scheduled_sampling", "capacity_curriculum", "distillation",
     "epochs", "max_steps_per_epoch",
 )
+#: Fingerprint entries added after checkpoints had been written, each with the value under which a run computes
+#: what it computed before the entry existed. A checkpoint that lacks the entry resumes while the config holds
+#: that value; any other value is a change like every other. The study driver reads the same table for results.
+ADDED_FINGERPRINT_ENTRIES: Dict[str, Any] = {"model.dropped_layers": []}
 #: What ``resume_from_checkpoint: extend`` may change: the length of the run.
 EXTENDABLE_KEYS = ("epochs", "max_steps_per_epoch")
 RESUME_MODES = (False, True, "extend")
@@ -521,6 +525,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         if saved is None:
             raise ValueError(f"{folder} holds no resume fingerprint (written by an older version): it cannot be resumed exactly")
         absent = "<absent>"
+        saved = {**{key: off for key, off in ADDED_FINGERPRINT_ENTRIES.items() if key not in saved}, **saved}
         diffs = [
             f"{key}: checkpoint {saved.get(key, absent)!r}, config {self._fingerprint.get(key, absent)!r}"
             for key in sorted(set(saved) | set(self._fingerprint))
