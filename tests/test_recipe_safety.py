@@ -269,6 +269,18 @@ def test_resume_refuses_the_checkpoint_of_another_run(workdir):  # noqa: F811
         RoutedFinetuneRecipe(cfg).setup(cfg)
 
 
+CRASH_OVERRIDES = dict(max_steps_per_epoch=6, save_every_n_steps=2)
+
+
+def _crash_after_step_2() -> None:
+    """Train ``stt_train`` (6 steps, a checkpoint every 2) and interrupt it at step 2, after its first checkpoint."""
+    crashed = RoutedFinetuneRecipe(load_config("stt_train", **CRASH_OVERRIDES))
+    crashed.setup(load_config("stt_train", **CRASH_OVERRIDES))
+    crashed._optimizer.step = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt) if crashed.global_step == 2 else None
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [
@@ -280,12 +292,8 @@ def test_resume_refuses_the_checkpoint_of_another_run(workdir):  # noqa: F811
     ],
 )
 def test_resume_refuses_changes_it_cannot_honour(override, expected, workdir):  # noqa: F811
-    overrides = dict(max_steps_per_epoch=6, save_every_n_steps=2)
-    crashed = RoutedFinetuneRecipe(load_config("stt_train", **overrides))
-    crashed.setup(load_config("stt_train", **overrides))
-    crashed._optimizer.step = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt) if crashed.global_step == 2 else None
-    with pytest.raises(KeyboardInterrupt):
-        crashed.train()
+    overrides = CRASH_OVERRIDES
+    _crash_after_step_2()
     cfg = load_config("stt_train", resume_from_checkpoint=True, **overrides, **override)
     with pytest.raises(ValueError, match=expected) as err:
         RoutedFinetuneRecipe(cfg).setup(cfg)
@@ -295,12 +303,8 @@ def test_resume_refuses_changes_it_cannot_honour(override, expected, workdir):  
 def test_a_checkpoint_older_than_a_config_key_resumes_while_the_key_is_off(workdir):  # noqa: F811
     """``model.dropped_layers`` became a required key after runs had checkpointed: such a checkpoint's fingerprint
     lacks it. With ``[]`` (what those runs computed) it resumes; dropping a layer is a change it cannot honour."""
-    overrides = dict(max_steps_per_epoch=6, save_every_n_steps=2)
-    crashed = RoutedFinetuneRecipe(load_config("stt_train", **overrides))
-    crashed.setup(load_config("stt_train", **overrides))
-    crashed._optimizer.step = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt) if crashed.global_step == 2 else None
-    with pytest.raises(KeyboardInterrupt):
-        crashed.train()
+    overrides = CRASH_OVERRIDES
+    _crash_after_step_2()
     (folder,) = checkpoint_folders(workdir / "outputs").values()
     state = torch.load(folder / "recipe_state.pt", weights_only=True)
 
