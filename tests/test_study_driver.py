@@ -436,6 +436,12 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     assert targets.family_at(with_distilled, 0.81) == pytest.approx(4.3)
     assert targets.family_at(with_distilled, 0.85) == pytest.approx(4.2)
     assert targets.family_at(with_distilled, 0.80) == pytest.approx(4.3)
+    # ... and the label names both runs of that point, not whichever sorts first
+    committed_runs = load_driver().load_results(REPO / "experiments" / "frontier")[1]
+    committed_losses = {name: targets.by_seed(results) for name, results in committed_runs.items()}
+    family = ["dense", "layerdrop_7", "layerdrop_7_distill", "layerdrop_10", "layerdrop_10_distill"]
+    _, where = targets.matched("stt_d4_bi7_all_rlr10", family, committed_runs, committed_losses)
+    assert where == "at 0.806 (layerdrop_10 / layerdrop_10_distill 0.733 ↔ layerdrop_7 / layerdrop_7_distill 0.813)"
     # papers → dense gap closed by the best recipe (stt_new, seed 0 only): (6.0 − 4.0) / (6.0 − 4.0) = 100 %
     assert rows[("closes ≥ 70 % of papers→dense gap", "stt_new vs stt_papers_50, dense")] == (
         "100% closed (n = 1)", "not yet (1/3 seeds)")

@@ -38,6 +38,7 @@ import importlib.util
 import math
 import statistics
 from pathlib import Path
+from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("study_driver", HERE.parent / "study.py")
@@ -115,7 +116,11 @@ def matched(candidate, family, runs, losses, at=None):
         if value is not None:
             values[seed] = value
     x = statistics.fmean(at.values())
-    nominal = sorted((statistics.fmean(members[n].values()), n) for n in family)
+    # Runs at the same FLOPs (with and without distillation) are one point of the line: name them together.
+    at_flops: Dict[float, List[str]] = {}
+    for n in family:
+        at_flops.setdefault(round(statistics.fmean(members[n].values()), 3), []).append(n)
+    nominal = sorted((f, " / ".join(sorted(names))) for f, names in at_flops.items())
     below = [(f, n) for f, n in nominal if f <= x]
     above = [(f, n) for f, n in nominal if f > x]
     if not below:
