@@ -442,6 +442,15 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     family = ["dense", "layerdrop_7", "layerdrop_7_distill", "layerdrop_10", "layerdrop_10_distill"]
     _, where = targets.matched("stt_d4_bi7_all_rlr10", family, committed_runs, committed_losses)
     assert where == "at 0.806 (layerdrop_10 / layerdrop_10_distill 0.733 ↔ layerdrop_7 / layerdrop_7_distill 0.813)"
+    # Technique ablations: each `<variant>_50_<technique>` against `<variant>_50` on the seeds both have; other
+    # `_50_` runs (the prior-factor ablation) are not techniques.
+    ablations = targets.technique_ablations(committed_runs, committed_losses)
+    row = next(line for line in ablations if line.startswith("| `stt_50_all` |"))
+    with_all, without = committed_losses["stt_50_all"], committed_losses["stt_50"]
+    common = sorted(set(with_all) & set(without))
+    expected = sum(with_all[seed] - without[seed] for seed in common) / len(common)
+    assert f"| {expected:+.3f}" in row and f"(n = {len(common)}) |" in row
+    assert not any("prior0_25" in line for line in ablations)
     # papers → dense gap closed by the best recipe (stt_new, seed 0 only): (6.0 − 4.0) / (6.0 − 4.0) = 100 %
     assert rows[("closes ≥ 70 % of papers→dense gap", "stt_new vs stt_papers_50, dense")] == (
         "100% closed (n = 1)", "not yet (1/3 seeds)")

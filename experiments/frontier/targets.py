@@ -258,10 +258,38 @@ def targets_table(out_dir: Path) -> str:
                 baseline, _ = matched(name, families["layerdrop"], runs, losses, at)
                 teacher, teacher_at = fmt(paired(teacher_losses[name], baseline)), f"{statistics.fmean(at.values()):.3f}"
             lines.append(f"| `{name}` | {flops_ratio(runs[name]):.3f} | {student} | {teacher_at} | {teacher} |")
+    lines += technique_ablations(runs, losses)
     if off_budget:
         lines += ["", "Off budget (mean forward FLOPs ratio not within ±0.03 of a level): "
                   + ", ".join(f"`{n}` {flops_ratio(runs[n]):.3f}" for n in off_budget)]
     return "\n".join(lines)
+
+
+TECHNIQUES = {"kv": "skipped tokens write K/V", "pred": "predicted skip update", "curr": "capacity curriculum",
+              "distill": "distillation", "all": "every technique the variant has"}
+
+
+def technique_ablations(runs, losses) -> List[str]:
+    """Each technique alone, and all of them, against the same variant without any (``<variant>_50_<technique>``
+    − ``<variant>_50``, γ 0.5 on every other inner layer): the issue's ablation on STT and MoD."""
+    rows = []
+    for name in sorted(losses):
+        variant, _, technique = name.partition("_50_")
+        base = f"{variant}_50"
+        if variant not in ROUTED or technique not in TECHNIQUES or base not in losses:
+            continue
+        pd = paired(losses[name], losses[base])
+        kv = statistics.fmean(r["compute"]["kv_bytes_ratio"] for r in runs[name])
+        answered = which_wins(pd, below="the technique lowers the loss", above="the technique raises the loss")
+        rows.append(f"| `{name}` | {TECHNIQUES[technique]} | {flops_ratio(runs[name]):.3f} vs "
+                    f"{flops_ratio(runs[base]):.3f} | {kv:.3f} | {fmt(pd)} | {answered} |")
+    if not rows:
+        return []
+    return ["", "Technique ablations: each technique alone, and all of them, on the papers' setting (γ 0.5 on every "
+            "other inner layer), against the same variant without any. Paired by seed, mean ± se; below 0: the "
+            "technique lowers the student's loss.", "",
+            "| run | technique | FLOPs (vs without) | KV bytes | student − without | verdict |",
+            "|---|---|---|---|---|---|"] + rows
 
 
 def print_or_write(description: str, table: str, file_name: str, heading: str, about: str) -> str:
