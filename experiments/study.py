@@ -788,6 +788,19 @@ def _mean_std(values: Sequence[Optional[float]]) -> Tuple[Optional[float], float
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def lowest_at_equal_flops(points: Sequence[Tuple[float, float]], digits: Optional[int] = None) -> List[Tuple[float, float]]:
+    """(FLOPs ratio, loss) points → one point per FLOPs, the lowest loss there, sorted by FLOPs.
+
+    A baseline family can hold several models at the same compute (layer dropping trained with and without
+    distillation); its line goes through the stronger one. ``digits`` rounds the FLOPs before they are compared
+    (for means over seeds); None compares them exactly (one seed's runs, where the twins' FLOPs are equal)."""
+    lowest: Dict[float, float] = {}
+    for flops, loss in points:
+        key = flops if digits is None else round(flops, digits)
+        lowest[key] = min(loss, lowest.get(key, loss))
+    return sorted(lowest.items())
+
+
 def load_results(out_dir: Path) -> Tuple[Dict[str, Any], Dict[str, List[Dict[str, Any]]]]:
     out_dir = Path(out_dir)
     spec_path = out_dir / "study.json"
@@ -870,11 +883,7 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
         for family in ("layerdrop", "random"):
             # At equal FLOPs (layer dropping with and without distillation) the line takes the lower loss: the
             # stronger baseline, as targets.py does per seed.
-            lowest: Dict[float, float] = {}
-            for _, f, xm, _, ym, _ in marks:
-                if f in (family, "dense"):
-                    lowest[round(xm, 3)] = min(ym, lowest.get(round(xm, 3), ym))
-            xy = sorted(lowest.items())
+            xy = lowest_at_equal_flops([(xm, ym) for _, f, xm, _, ym, _ in marks if f in (family, "dense")], digits=3)
             if any(f == family for _, f, *_ in marks) and len(xy) > 1:
                 ax.plot([x for x, _ in xy], [y for _, y in xy], "-", color=family_colors[family], linewidth=1,
                         alpha=0.6)

@@ -89,10 +89,7 @@ def family_at(points, flops: float):
     that bracket ``flops``, the cheapest point's loss below them all, None above them all. Runs at the same FLOPs
     (the same dropped layers trained with and without distillation) give the family their lower loss: the
     strongest baseline there."""
-    best = {}
-    for x, y in points:
-        best[x] = min(y, best.get(x, y))
-    points = sorted(best.items())
+    points = study.lowest_at_equal_flops(points)
     if not points:
         return None
     if flops <= points[0][0]:
