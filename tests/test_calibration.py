@@ -4,8 +4,9 @@ ranking, and the recipe applies it before the final checkpoint."""
 import pytest
 import torch
 
-from tests.conftest import VOCAB, build_tiny
+from tests.conftest import VOCAB, build_tiny, routing_kwargs, tiny_architecture
 from tests.test_recipe import load_config, read_log, run_recipe, workdir, train_assets  # noqa: F401
+from torchtune_dtf.models import qwen2_5
 from torchtune_dtf.modules import RoutingContext
 from torchtune_dtf.recipes.routed_finetune import validate_recipe_config
 from torchtune_dtf.training.calibration import (
@@ -44,6 +45,54 @@ def test_calibration_brings_a_drifted_student_to_its_target(variant, dtype):
     # Unseen text of the same kind: the budget generalises (it is a threshold, not a per-batch top-k).
     unseen = student_fractions(model, text(1, batch=8))
     assert all(abs(f - 0.5) < 0.12 for f in unseen.values()), unseen
+
+
+def chained_routing(variant, num_layers=8):
+    """A tiny model whose routed layers are coupled the way trained ones are, only more so: each routed block
+    writes its update along one direction u (a rank-1 MLP output, large), and each causal router's logit is
+    |u · RMSNorm(x)| (two hidden units ±u, SiLU(c) + SiLU(−c) ≈ |c|). A token's logit at a routed layer is thus
+    high iff an earlier routed layer ran it, so a layer's fraction above a fixed threshold depends on how many
+    tokens every earlier routed layer runs. Router biases start at +8: every token runs (a student left by a
+    capacity curriculum)."""
+    torch.manual_seed(0)
+    model = qwen2_5.routed_qwen2(variant, **{**tiny_architecture(), "num_layers": num_layers},
+                                 **routing_kwargs(variant, always_run_first_token=False)).eval()
+    dim = tiny_architecture()["embed_dim"]
+    gen = torch.Generator().manual_seed(1)
+    u = torch.randn(dim, generator=gen)
+    u /= u.norm()
+    with torch.no_grad():
+        for layer in calibratable_layers(model):
+            layer.mlp.w2.weight.copy_(20.0 * torch.outer(u, torch.randn(layer.mlp.w2.weight.shape[1], generator=gen)))
+            router = layer.causal_router
+            router.hidden.weight.zero_()
+            router.hidden.weight[0, :dim], router.hidden.weight[1, :dim] = 10.0 * u, -10.0 * u
+            router.hidden.bias.zero_()
+            router.out.weight.zero_()
+            router.out.weight[0, :2] = 1.0
+            router.out.bias.fill_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("variant", ["mod", "sdt", "stt"])
+def test_one_round_calibrates_every_layer_of_a_coupled_stack(variant):
+    # Shifting every layer from one forward fixes one layer per round: a round measured while the first routed
+    # layer ran every token puts the second one's threshold inside the "ran before" mode, and it then runs ~1/4
+    # (with 3 rounds and 14 coupled layers SmolLM2-135M's 4th–14th routed layers ended at 0.48 down to 0.13).
+    # Calibration goes in depth order, so one round already brings all four layers to their target.
+    model = chained_routing(variant)
+    batches = [{"tokens": torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(seed))} for seed in (0, 1)]
+    before = student_fractions(model, batches)
+    assert len(before) == 4 and all(f == 1.0 for f in before.values()), before
+    after = calibrate_student_routers(model, batches, {idx: 0.5 for idx in before}, rounds=1)
+    assert all(abs(f - 0.5) <= 0.03 for f in after.values()), after
+    # The coupling is real: the same thresholds with the first routed layer running every token again would
+    # pass far more than half at the later layers.
+    first = calibratable_layers(model)[0]
+    with torch.no_grad():
+        first.causal_router.out.bias.add_(100.0)
+    rerun = student_fractions(model, batches)
+    assert all(rerun[layer.layer_idx] > 0.6 for layer in calibratable_layers(model)[1:]), rerun
 
 
 def test_calibration_keeps_the_routers_ranking_and_it_is_not_position_order(tokens):
