@@ -445,8 +445,9 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     # Technique ablations: each `<variant>_50_<technique>` against `<variant>_50` on the seeds both have; other
     # `_50_` runs (the prior-factor ablation) are not techniques.
     ablations = targets.technique_ablations(committed_runs, committed_losses)
-    row = next(line for line in ablations if line.startswith("| `stt_50_all` |"))
-    with_all, without = committed_losses["stt_50_all"], committed_losses["stt_50"]
+    row = next(line for line in ablations if line.startswith("| `") and "_50_all` |" in line)  # MoD's or STT's
+    name = row.split("`")[1]
+    with_all, without = committed_losses[name], committed_losses[name.replace("_50_all", "_50")]
     common = sorted(set(with_all) & set(without))
     expected = sum(with_all[seed] - without[seed] for seed in common) / len(common)
     assert f"| {expected:+.3f}" in row and f"(n = {len(common)}) |" in row
