@@ -418,6 +418,12 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     assert rows[("diagnostic: its teacher (not deployed) vs layer dropping", f"stt_a teacher − {drop_at}")] == (
         "+0.067 ± 0.017 se (n = 3)", "answered: layer dropping lower")
     assert not any(run.startswith("stt_new teacher") for _, run in rows)  # no teacher loss, no diagnostic row
+    # The price of compute, (loss − dense) / (1 − FLOPs) per seed: layerdrop_7 (0.5 / 0.19 on every seed) against
+    # stt_a ((0.40, 0.42, 0.38) / 0.20 → 2.0, 2.1, 1.9): the cheaper saving, whichever is lower
+    price_rows = markdown.split("The price of compute")[1].splitlines()
+    prices = {line.split("`")[1]: line.split("|")[3].strip() for line in price_rows if line.startswith("| `")}
+    assert prices["layerdrop_7"] == "+2.632 ± 0.000 se (n = 3)" and prices["stt_a"] == "+2.000 ± 0.058 se (n = 3)"
+    assert "dense" not in prices and "random_50" not in prices and prices["stt_new"].endswith("(n = 1)")
     # stt_dear is lower than stt_a on no seed's margin, so it is never the best; measured directly, it loses:
     _, runs = load_driver().load_results(tmp_path)
     losses = {name: targets.by_seed(results) for name, results in runs.items()}

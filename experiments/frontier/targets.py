@@ -256,6 +256,7 @@ def targets_table(out_dir: Path) -> str:
                 teacher, teacher_at = fmt(paired(teacher_losses[name], baseline)), f"{statistics.fmean(at.values()):.3f}"
             lines.append(f"| `{name}` | {flops_ratio(runs[name]):.3f} | {student} | {teacher_at} | {teacher} |")
     lines += technique_ablations(runs, losses)
+    lines += price_of_compute(runs, losses, variant)
     if off_budget:
         lines += ["", "Off budget (mean forward FLOPs ratio not within ±0.03 of a level): "
                   + ", ".join(f"`{n}` {flops_ratio(runs[n]):.3f}" for n in off_budget)]
@@ -287,6 +288,27 @@ def technique_ablations(runs, losses) -> List[str]:
             "technique lowers the student's loss.", "",
             "| run | technique | FLOPs (vs without) | KV bytes | student − without | verdict |",
             "|---|---|---|---|---|---|"] + rows
+
+
+def price_of_compute(runs, losses, variant) -> List[str]:
+    """What each unit of forward FLOPs saved costs in held-out loss: per seed (student − dense) / (1 − FLOPs ratio),
+    for layer dropping and every routed run. A recipe beats layer dropping at a level only where its price there
+    is below layer dropping's average price at the same FLOPs, which rises with every layer dropped."""
+    dense = losses.get("dense", {})
+    names = [n for n in losses if variant[n] in ROUTED + ("layerdrop",)]
+    if not dense or not names:
+        return []
+    rows = []
+    for name in sorted(names, key=lambda n: -flops_ratio(runs[n])):
+        flops = flops_by_seed(runs[name])
+        prices = {s: (loss - dense[s]) / (1.0 - flops[s]) for s, loss in losses[name].items()
+                  if s in dense and s in flops and flops[s] < 1.0}
+        if prices:
+            mean_se = fmt(paired(prices, dict.fromkeys(prices, 0.0)))  # prices − 0: mean ± se over the seeds
+            rows.append(f"| `{name}` | {flops_ratio(runs[name]):.3f} | {mean_se} |")
+    return ["", "The price of compute: nats of held-out student loss per unit of forward FLOPs saved, (student − dense) "
+            "/ (1 − FLOPs ratio), paired with dense by seed (mean ± se), for layer dropping and every routed run.",
+            "", "| run | FLOPs | nats per unit of FLOPs saved |", "|---|---|---|"] + rows
 
 
 def print_or_write(description: str, table: str, file_name: str, heading: str, about: str) -> str:
