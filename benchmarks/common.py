@@ -127,9 +127,11 @@ def set_capacity(model, gamma: float) -> None:
         layer.capacity = gamma
 
 
+@functools.lru_cache(maxsize=None)
 def config_loss_weights(variant: str) -> Tuple[float, float, float]:
     """(λ_pred, λ_causal, λ_g_reg) after warmup in the shipped 0.5B training config of ``variant``
-    (``stt_kv`` and other benchmark names of a variant use that variant's config)."""
+    (``stt_kv`` and other benchmark names of a variant use that variant's config). Read once per process:
+    training steps call it every step, and parsing the YAML (ms) is not the step's work."""
     from omegaconf import OmegaConf
 
     from torchtune_dtf.training.schedules import LossWeights
@@ -265,10 +267,10 @@ def profile_ops(fn: Callable[[], object]) -> List[Tuple[str, str, float, int]]:
 # ---- masks for cached decoding --------------------------------------------------------------------
 
 
-def causal_cache_mask(batch: int, rows: int, max_len: int, offset: int = 0) -> torch.Tensor:
+def causal_cache_mask(batch: int, rows: int, max_len: int, offset: int = 0, device=None) -> torch.Tensor:
     """torchtune-style boolean mask ``[b, rows, max_len]`` for tokens at positions offset … offset+rows−1."""
-    q = torch.arange(offset, offset + rows)[:, None]
-    k = torch.arange(max_len)[None, :]
+    q = torch.arange(offset, offset + rows, device=device)[:, None]
+    k = torch.arange(max_len, device=device)[None, :]
     return (k <= q).expand(batch, -1, -1)
 
 

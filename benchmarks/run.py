@@ -35,7 +35,6 @@ if __name__ == "__main__":
         os.execv(sys.executable, [sys.executable, "-m", "benchmarks.run", *sys.argv[1:]])
 
 import torch
-from tabulate import tabulate
 from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.common_utils import delete_kv_caches
 from torchtune.modules.loss import CEWithChunkedOutputLoss
@@ -205,7 +204,7 @@ def train_loss(model, variant: str, tokens: torch.Tensor, loss_fn) -> torch.Tens
     """The recipe's objective (:func:`~torchtune_dtf.training.routing_losses.training_loss`) with the shipped
     0.5B config's loss weights: LM loss through the teacher-mode forward plus the weighted auxiliary losses."""
     routing = RoutingContext(mode="teacher") if variant == "dense" else RoutingContext(mode="teacher", beta_ce=1.0, beta_cu=1.0)
-    labels = torch.hstack((tokens[..., 1:], torch.full((tokens.shape[0], 1), loss_fn.ignore_index)))
+    labels = torch.hstack((tokens[..., 1:], torch.full((tokens.shape[0], 1), loss_fn.ignore_index, device=tokens.device)))
     lm_loss = loss_fn(model(tokens, routing=routing), labels)
     if variant == "dense":
         return training_loss(lm_loss, None, None)[0]
@@ -744,6 +743,8 @@ def _pf(ok) -> str:
 def _table(headers: List[str], rows: List[List]) -> List[str]:
     """A Markdown (GitHub pipe) table as lines. Cells are formatted by the caller; ``disable_numparse`` keeps
     tabulate from re-formatting numbers that are already strings (``"0.8000"`` would become ``0.8``)."""
+    from tabulate import tabulate  # imported here: ``benchmarks.gpu`` reuses this module on machines without it
+
     return tabulate(rows, headers, tablefmt="github", disable_numparse=True).splitlines() + [""]
 
 
