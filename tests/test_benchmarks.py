@@ -1,10 +1,11 @@
-"""benchmarks.{closed_form, common, run, layer_timing}: smoke test of the benchmark suite on the tiny shape.
+"""benchmarks.{closed_form, common, run, layer_timing, gpu}: smoke test of the benchmark suite on the tiny shape.
 
 Asserts only deterministic quantities: the closed forms (issue #4's numbers for the Qwen2.5-0.5B shape) and
 FlopCounterMode counts of the package's own models against them. Timings are run once to exercise the code
 paths, never asserted.
 """
 
+import json
 import math
 from pathlib import Path
 import statistics
@@ -396,3 +397,26 @@ def test_closed_form_and_model_give_each_listed_layer_its_own_capacity():
     model = build_like(build_dense("tiny"), "stt", "tiny", **routing)
     built = {i: layer.capacity for i, layer in enumerate(model.layers) if hasattr(layer, "capacity")}
     assert rshape.gamma_of() == built == {1: 0.75, 3: 0.25}
+
+
+def test_gpu_script_runs_its_checks_and_timings_as_a_cpu_smoke_run(tmp_path):
+    """`benchmarks/gpu.py` is run by hand on a GPU machine (CI has none): the same code on the tiny shape on CPU
+    must pass every correctness check (cached decode = full forward, caches hold exactly the executed tokens,
+    bf16 calibration to γ without position order, exact top-k) and time every section against dense."""
+    from benchmarks import gpu
+
+    torch.manual_seed(0)
+    assert gpu.main(["--size", "tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["checks_passed"] and results["errors"] == {}
+    names = [c["check"] for c in results["checks"]]
+    for v in ("mod", "sdt", "stt"):
+        assert f"b fp32 {v}: cached decode = full forward on cpu" in names
+        assert f"c bf16 {v} topk: exactly floor(γT), not position order" in names
+    decode_checks = [c for c in results["checks"] if "cached decode" in c["check"]]
+    assert len(decode_checks) == 6 and all(c["cache_holds_executed"] and c["routed_layers_skip"] for c in decode_checks)
+    sections = {(r["section"], r["variant"]) for r in results["timings"]}
+    for section in ("prefill", "decode step", "train step"):
+        assert {v for s, v in sections if s == section} == {"mod", "sdt", "stt"}
+    assert all(r["dense_ms"] > 0 and r["routed_ms"] > 0 for r in results["timings"])
+    assert "### Checks: all pass" in (tmp_path / "results.md").read_text()
