@@ -44,6 +44,7 @@ from benchmarks.run import describe_device, prepare_training, train_loss
 from torchtune_dtf.modules import RoutingContext
 
 VARIANTS = ("mod", "sdt", "stt")
+SECTIONS = ("checks", "prefill", "decode", "profile", "train")
 GAMMA = 0.5
 TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2}  # max |a − b| / max |b| of logits
 MAX_FLIPS = {torch.float32: 0.005, torch.bfloat16: 0.05}  # share of routing decisions two runs may decide apart (near-ties)
@@ -329,6 +330,67 @@ def time_decode(size, plan, dense, thresh, device, dtype, gen) -> List[Dict]:
     return rows + prefill_rows
 
 
+def kernel_profile(fn: Callable, device: torch.device, setup: Callable = lambda: None, repeats: int = 3) -> Dict:
+    """Where a call's time goes: its wall time unprofiled (median of ``repeats``, each after ``setup``, which is
+    not measured), then one profiled call's GPU kernels (count, summed duration) and ``aten::`` operator calls.
+    A call whose kernels keep the GPU busy for only a small share of its wall time is bound by launching them,
+    not by its FLOPs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = synced(lambda: None, device)
+    walls = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        setup()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        walls.append(time.perf_counter() - t0)
+    setup()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    wall_ms = 1e3 * median(walls[1:])
+    kernel_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    return dict(wall_ms=wall_ms, kernels=len(kernels), kernel_ms=kernel_ms,
+                gpu_busy=kernel_ms / wall_ms if kernels else None,
+                aten_ops=sum(1 for e in events if e.name.startswith("aten::")))
+
+
+def profile_launches(size, plan, dense, topk, thresh, device, dtype, gen) -> List[Dict]:
+    """Kernel counts and GPU-busy share of dense and routed models: a top-k prefill per prefill shape, and one
+    decode step of the threshold students with the selective cache after a fresh prompt prefill (not measured)."""
+    shape, rows = cf.model_shape(size), []
+    b, context, _ = plan["decode"]
+    prompt = torch.randint(0, shape.vocab_size, (b, context + 1), generator=gen).to(device)
+    masks = causal_cache_mask(b, context + 1, context + 1, device=device)
+    with torch.inference_mode():
+        for pb, T in plan["prefill"]:
+            tokens = torch.randint(0, shape.vocab_size, (pb, T), generator=gen).to(device)
+            for name, m in {"dense": dense, **topk}.items():
+                rows.append(dict(call=f"prefill b {pb} × T {T}", model=name, **kernel_profile(lambda m=m: m(tokens), device)))
+        for name, m in {"dense": dense, **thresh}.items():
+            with torch.device(device):
+                m.setup_caches(batch_size=b, dtype=dtype, decoder_max_seq_len=context + 1)
+            try:
+                def prefill_prompt(m=m):
+                    m.reset_caches()
+                    m(prompt[:, :context], mask=masks[:, :context], input_pos=torch.arange(context, device=device))
+
+                def decode_step(m=m):
+                    m(prompt[:, context:], mask=masks[:, context:], input_pos=torch.full((b,), context, device=device))
+
+                rows.append(dict(call=f"decode step b {b}, context {context}", model=name,
+                                 **kernel_profile(decode_step, device, setup=prefill_prompt)))
+            finally:
+                delete_kv_caches(m)
+    return rows
+
+
 def row(section, shape, variant, dense_times, routed_times, closed, closed_of, note="", **extra) -> Dict:
     return dict(section=section, shape=shape, variant=variant, dense_ms=1e3 * median(dense_times),
                 routed_ms=1e3 * median(routed_times), ratio=paired_ratio({"r": routed_times, "d": dense_times}, "r", "d"),
@@ -344,7 +406,7 @@ def render(results: Dict) -> str:
     out = [f"## GPU check and timings: `{meta['command']}`", "",
            f"Device {meta['device_name']}, torch {meta['torch']}, timings in {meta['dtype']}, shape `{meta['size']}`, "
            f"γ = {GAMMA} on every other layer, {meta['elapsed_s']:.0f} s in all.", "",
-           f"### Checks: {'all pass' if results['checks_passed'] else '**FAIL**'}", "",
+           f"### Checks: {'not run' if not results['checks'] else 'all pass' if results['checks_passed'] else '**FAIL**'}", "",
            "| check | result | numbers |", "|---|---|---|"]
     for c in results["checks"]:
         nums = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in c.items()
@@ -357,6 +419,12 @@ def render(results: Dict) -> str:
         closed = f"{r['closed']:.3f} ({r['closed_of']})" if r["closed"] is not None else "–"
         out.append(f"| {r['section']} | {r['shape']} | {r['variant']} | {r['dense_ms']:.2f} | {r['routed_ms']:.2f} | "
                    f"{r['ratio']:.3f} | {closed} | {r['note']} |")
+    if results.get("profile"):
+        out += ["", "### Where the time goes (one profiled call; wall time unprofiled, median of 3)", "",
+                "| call | model | wall ms | GPU kernels | kernel ms | GPU busy | aten ops |", "|---|---|---|---|---|---|---|"]
+        for r in results["profile"]:
+            busy = f"{r['gpu_busy']:.2f}" if r["gpu_busy"] is not None else "–"
+            out.append(f"| {r['call']} | {r['model']} | {r['wall_ms']:.2f} | {r['kernels']} | {r['kernel_ms']:.2f} | {busy} | {r['aten_ops']} |")
     for name, err in results["errors"].items():
         out.append(f"\n**{name} failed**: `{err.splitlines()[-1]}`")
     return "\n".join(out) + "\n"
@@ -369,6 +437,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="default benchmarks/results/gpu_<size>")
     parser.add_argument("--batch", type=int, default=None, help="batch of prefill, train and decode timings")
     parser.add_argument("--seq", type=int, default=None, help="sequence length of prefill and train timings")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS, help="default: all")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device (use --device cpu for a smoke run)")
@@ -391,21 +460,32 @@ def main(argv=None) -> int:
     log("correctness checks")
     checks = Checks()
     try:
-        run_checks(checks, args.size, plan, dense, topk, thresh, device, gen)
+        if "checks" in args.sections:
+            run_checks(checks, args.size, plan, dense, topk, thresh, device, gen)
+        else:
+            for m in (dense, *topk.values(), *thresh.values()):
+                cast_params(m, dtype)
+            with torch.inference_mode():  # the decode timings and the profile run calibrated threshold students
+                calib = torch.randint(0, cf.model_shape(args.size).vocab_size, (1, plan["calib_seq"]), generator=gen)
+                for model in thresh.values():
+                    calibrate_student_threshold(model, calib.to(device), GAMMA)
     except Exception as e:  # outside any one check (calibration, moving models): a failure, the timings still run
         checks.record("checks setup", lambda: dict(passed=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
         for m in (dense, *topk.values(), *thresh.values()):
             m.to(device)
             cast_params(m, dtype)
 
-    timings, errors = [], {}
+    timings, profile, errors = [], [], {}
     sections = dict(prefill=lambda: time_prefill(args.size, plan, dense, topk, device, gen),
                     decode=lambda: time_decode(args.size, plan, dense, thresh, device, dtype, gen),
+                    profile=lambda: profile_launches(args.size, plan, dense, topk, thresh, device, dtype, gen),
                     train=lambda: time_train(args.size, plan, dense, device, dtype, gen))  # last: it updates weights
     for name, fn in sections.items():
+        if name not in args.sections:
+            continue
         log(f"timing {name}")
         try:
-            timings += fn()
+            (profile if name == "profile" else timings).extend(fn())
         except Exception:
             errors[name] = traceback.format_exc()
             log(f"{name} failed:\n{errors[name]}")
@@ -416,7 +496,7 @@ def main(argv=None) -> int:
                              size=args.size, dtype=str(dtype), torch=torch.__version__, cuda=torch.version.cuda, plan=plan,
                              device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({describe_device()['cpu']})",
                              host=describe_device(), elapsed_s=time.perf_counter() - start),
-                   checks_passed=checks.passed, checks=checks.rows, timings=timings, errors=errors)
+                   checks_passed=checks.passed, checks=checks.rows, timings=timings, profile=profile, errors=errors)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
     markdown = render(results)
     (out_dir / "results.md").write_text(markdown)

@@ -419,4 +419,6 @@ def test_gpu_script_runs_its_checks_and_timings_as_a_cpu_smoke_run(tmp_path):
     for section in ("prefill", "decode step", "train step"):
         assert {v for s, v in sections if s == section} == {"mod", "sdt", "stt"}
     assert all(r["dense_ms"] > 0 and r["routed_ms"] > 0 for r in results["timings"])
+    profiled = {(r["call"].split()[0], r["model"]) for r in results["profile"]}
+    assert profiled == {(call, m) for call in ("prefill", "decode") for m in ("dense", "mod", "sdt", "stt")}
     assert "### Checks: all pass" in (tmp_path / "results.md").read_text()
