@@ -67,11 +67,16 @@ def cast_params(model, dtype) -> None:
             p.data = p.data.to(dtype)
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels (a no-op on CPU), so a timer read next measures them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def synced(fn: Callable, device: torch.device) -> Callable:
     def run():
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
     return run
 
 
@@ -289,18 +294,18 @@ def time_decode(size, plan, dense, thresh, device, dtype, gen) -> List[Dict]:
             m.setup_caches(batch_size=b, dtype=dtype, decoder_max_seq_len=max_len)
 
     def generate(name):
-        m, sync = models[name], synced(lambda: None, device)
+        m = models[name]
         m.reset_caches()
-        sync()
+        sync(device)
         t0 = time.perf_counter()
         m(prompt, mask=masks[:, :context], input_pos=torch.arange(context, device=device))
-        sync()
+        sync(device)
         t1 = time.perf_counter()
         if name != "dense":
             m.reset_routing_counters()
         for i in range(steps):
             m(tokens[:, i:i + 1], mask=masks[:, context + i:context + i + 1], input_pos=positions[i])
-        sync()
+        sync(device)
         phases[name].append(dict(prefill=t1 - t0, decode=time.perf_counter() - t1))
 
     try:
@@ -337,21 +342,20 @@ def kernel_profile(fn: Callable, device: torch.device, setup: Callable = lambda:
     not by its FLOPs."""
     from torch.profiler import ProfilerActivity, profile
 
-    sync = synced(lambda: None, device)
     walls = []
     for _ in range(repeats + 1):  # the first is a warm-up
         setup()
-        sync()
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        sync()
+        sync(device)
         walls.append(time.perf_counter() - t0)
     setup()
-    sync()
+    sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         fn()
-        sync()
+        sync(device)
     events = prof.events()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     wall_ms = 1e3 * median(walls[1:])
