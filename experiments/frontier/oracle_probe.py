@@ -1,0 +1,225 @@
+"""How much a perfect token choice is worth before any training, against dropping whole layers at the same FLOPs.
+
+The frontier study trains routers for 200 steps; a routed recipe that trails layer dropping could be held back
+by its routers (they choose badly) or by the shape itself (no choice of tokens at that budget beats removing
+layers). This probe separates the two on the pretrained model, with no training at all, by giving each routed
+layer the best choice it could make in hindsight:
+
+- ``oracle``: each routed layer runs the ⌊γT⌋ tokens whose *true* update ‖block(x_t) − x_t‖ is largest (the
+  update the full layer would have made, on the hidden states that earlier routed layers actually produced;
+  non-causal, never deployable: an upper bound on what a router can pick by update size);
+- ``random``: ⌊γT⌋ tokens drawn uniformly (seeded), the same choice as the study's random-routing baseline.
+
+Both keep the first token (``always_run_first_token``, as every study config does). A skipped token leaves the
+layer unchanged. With ``skipped_tokens_write_kv`` the executed tokens attend to every token's keys/values, so
+their outputs are the full layer's outputs on those positions; without it the layer runs on the gathered
+executed tokens alone (their own keys/values, RoPE at their original positions). Dropped layers run on no
+token. The shapes are the study's (``study.yaml``): the same dropped/routed layers and capacities, so each row
+sits beside the trained run of that name.
+
+    python experiments/frontier/oracle_probe.py --config configs/quickstart/dense_smollm2.yaml \
+        --text quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256 \
+        --json experiments/frontier/oracle_probe.json --markdown experiments/frontier/oracle_probe.md
+    python experiments/frontier/oracle_probe.py --markdown-only \
+        --json experiments/frontier/oracle_probe.json --markdown experiments/frontier/oracle_probe.md   # new runs
+
+Evaluated on the study's held-out windows (the same ``heldout_windows`` the study scores trained runs on).
+"""
+
+import argparse
+import json
+import math
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torchtune import config, training
+
+from torchtune_dtf.evaluation.routing_report import heldout_windows
+
+EVERY_OTHER_INNER_30 = list(range(1, 29, 2))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One of the study's compute shapes: whole layers removed, and layers routed at a capacity each."""
+
+    name: str
+    dropped: Sequence[int] = ()
+    routed: Sequence[int] = ()
+    capacity: Sequence[float] = ()
+    skipped_tokens_write_kv: bool = True
+    study_runs: Sequence[str] = ()  # the study's trained runs of this shape, for the table's last columns
+
+    def capacity_of(self) -> Dict[int, float]:
+        if len(self.capacity) != len(self.routed):
+            raise ValueError(f"{self.name}: {len(self.routed)} routed layers but {len(self.capacity)} capacities")
+        return dict(zip(self.routed, self.capacity))
+
+
+def _same(value: float, n: int) -> List[float]:
+    return [value] * n
+
+
+# The study's shapes (experiments/frontier/study.yaml), grouped by FLOP level.
+SHAPES = [
+    Shape("dense", study_runs=("dense",)),
+    # ≈ 0.90
+    Shape("layerdrop_4", dropped=(13, 14, 15, 17), study_runs=("layerdrop_4", "layerdrop_4_distill")),
+    Shape("stt_d2_bi5", dropped=(14, 13), routed=(17, 15, 12, 16, 25), capacity=_same(0.5, 5),
+          study_runs=("stt_d2_bi5_all_rlr10", "stt_d2_bi5_all_nocurr_rlr10")),
+    Shape("stt_bi8_graded", routed=(14, 13, 17, 15, 12, 16, 25, 26), capacity=[0.25] * 4 + [0.75] * 4,
+          study_runs=("stt_bi8_graded_all_rlr10",)),
+    # ≈ 0.81
+    Shape("layerdrop_7", dropped=(12, 13, 14, 15, 16, 17, 25), study_runs=("layerdrop_7", "layerdrop_7_distill")),
+    Shape("stt_d4_bi7", dropped=(14, 13, 17, 15), routed=(12, 16, 25, 26, 11, 18, 2), capacity=_same(0.5, 7),
+          study_runs=("stt_d4_bi7_all_rlr10",)),
+    Shape("stt_50", routed=EVERY_OTHER_INNER_30, capacity=_same(0.5, 14), skipped_tokens_write_kv=False,
+          study_runs=("stt_50", "mod_50", "random_50")),
+    Shape("stt_50_kv", routed=EVERY_OTHER_INNER_30, capacity=_same(0.5, 14),
+          study_runs=("stt_50_kv", "stt_50_all")),
+    # ≈ 0.72
+    Shape("layerdrop_10", dropped=(11, 12, 13, 14, 15, 16, 17, 18, 25, 26),
+          study_runs=("layerdrop_10", "layerdrop_10_distill")),
+    Shape("stt_d6_bi10", dropped=(14, 13, 17, 15, 12, 16), routed=(25, 26, 11, 18, 2, 4, 5, 10, 3, 9),
+          capacity=_same(0.5, 10), study_runs=("stt_d6_bi10_all_rlr10",)),
+]
+SELECTIONS = ("oracle", "random")
+
+
+def executed_positions(update_norm: torch.Tensor, capacity: float, selection: str,
+                       generator: Optional[torch.Generator]) -> torch.Tensor:
+    """[b, T] update sizes → [b, k] sorted positions each sequence runs (k = ⌊γT⌋, the first token always)."""
+    b, seq_len = update_norm.shape
+    k = math.floor(capacity * seq_len)
+    if selection == "oracle":
+        score = update_norm.float().clone()
+    elif selection == "random":
+        score = torch.rand(b, seq_len, generator=generator)
+    else:
+        raise ValueError(f"unknown selection {selection!r}; expected one of {SELECTIONS}")
+    score[:, 0] = float("inf")
+    return score.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+@torch.no_grad()
+def shape_loss(model, windows: torch.Tensor, shape: Shape, selection: str, batch_size: int, seed: int) -> Dict:
+    """Mean next-token loss over ``windows`` [n, T] of the pretrained model run in ``shape``; executed share."""
+    capacity = shape.capacity_of()
+    generator = torch.Generator().manual_seed(seed)
+    total, count, executed, offered = 0.0, 0, 0, 0
+    for batch in windows.split(batch_size):
+        h = model.tok_embeddings(batch)
+        b, seq_len = batch.shape
+        for i, layer in enumerate(model.layers):
+            if i in shape.dropped:
+                offered += b * seq_len
+                continue
+            if i not in capacity:
+                h = layer(h)
+                continue
+            full = layer(h)
+            positions = executed_positions((full - h).norm(dim=-1), capacity[i], selection, generator)
+            index = positions.unsqueeze(-1).expand(-1, -1, h.size(-1))
+            if shape.skipped_tokens_write_kv:
+                update = full.gather(1, index)
+            else:
+                # the executed tokens alone: their own keys/values, RoPE at their original positions
+                update = layer(h.gather(1, index), input_pos=positions)
+            h = h.scatter(1, index, update)
+            executed += positions.numel()
+            offered += b * seq_len
+        logits = model.output(model.norm(h)).float()
+        total += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return {"loss": total / count, "executed_share_of_routed_and_dropped": executed / offered if offered else None}
+
+
+def trained(runs_dir: Path, name: str) -> Optional[Dict[str, float]]:
+    """The study's student held-out loss and forward FLOPs ratio of run ``name``, mean over its seeds."""
+    runs = [json.loads(p.read_text()) for p in sorted(runs_dir.glob(f"{name}__seed*.json"))]
+    if not runs:
+        return None
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    return {"seeds": len(runs), "student_loss": mean([r["heldout"]["student_loss"] for r in runs]),
+            "flops": mean([r["compute"]["forward_flops_ratio"] for r in runs])}
+
+
+def markdown(probe: Dict, runs_dir: Path) -> str:
+    rows = probe["rows"]
+    dense = next(r["loss"] for r in rows if r["shape"]["name"] == "dense")
+    lines = ["# Token choice before training: oracle and random selection against layer dropping", "",
+             f"Written by `python experiments/frontier/oracle_probe.py` (its docstring says what it does): the "
+             f"pretrained model with no training, held-out loss per token on {probe['windows']} windows of "
+             f"{probe['seq_len']} tokens of `{probe['text']}` (the study's held-out windows). Shapes as in "
+             "`study.yaml`; K/V: skipped tokens still write keys/values. The last columns are the study's trained "
+             f"runs of each shape (`{runs_dir}`; student held-out loss and measured forward FLOPs, mean over the "
+             "seeds landed), for comparison: what 200 steps of training make of the shape.", "",
+             "| shape | dropped | routed (γ) | K/V | selection | loss | − dense | trained in the study: run, seeds, "
+             "FLOPs, student loss |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["shape"]
+        routed = ", ".join(f"{layer} ({c:g})" for layer, c in zip(s["routed"], s["capacity"])) or "–"
+        dropped = ", ".join(map(str, s["dropped"])) or "–"
+        kv = ("yes" if s["skipped_tokens_write_kv"] else "no") if s["routed"] else "–"
+        study = []
+        if r["selection"] in ("all", "oracle"):  # once per shape
+            for name in s["study_runs"]:
+                t = trained(runs_dir, name)
+                if t:
+                    study.append(f"`{name}` ({t['seeds']}) {t['flops']:.3f}: {t['student_loss']:.3f}")
+        lines.append(f"| {s['name']} | {dropped} | {routed} | {kv} | {r['selection']} | {r['loss']:.3f} | "
+                     f"{r['loss'] - dense:+.3f} | {'; '.join(study)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="the dense training config (model, tokenizer, checkpointer)")
+    parser.add_argument("--text", type=Path, help="JSONL with a 'text' field (the held-out works)")
+    parser.add_argument("--windows", type=int)
+    parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random selection")
+    parser.add_argument("--json", type=Path, required=True, help="written; read alone with --markdown-only")
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--runs", type=Path, default=Path(__file__).parent / "runs", help="the study's run JSONs")
+    parser.add_argument("--markdown-only", action="store_true", help="rewrite --markdown from --json (new runs)")
+    args = parser.parse_args(argv)
+    if args.markdown_only:
+        if not args.markdown:
+            parser.error("--markdown-only needs --markdown")
+        args.markdown.write_text(markdown(json.loads(args.json.read_text()), args.runs))
+        return
+    missing = [f"--{k.replace('_', '-')}" for k in ("config", "text", "windows", "seq_len") if getattr(args, k) is None]
+    if missing:
+        parser.error(f"measuring needs {', '.join(missing)}")
+    cfg = OmegaConf.load(args.config)
+    with tempfile.TemporaryDirectory() as out:
+        cfg.checkpointer.output_dir = out
+        state = config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
+    with training.set_default_dtype(torch.float32):
+        model = config.instantiate(cfg.model)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    windows = heldout_windows(config.instantiate(cfg.tokenizer), args.text, args.seq_len, args.windows)
+    rows = []
+    for shape in SHAPES:
+        for selection in SELECTIONS if shape.routed else ("all",):
+            result = shape_loss(model, windows, shape, "oracle" if selection == "all" else selection,
+                                args.batch_size, args.seed)
+            rows.append({"shape": asdict(shape), "selection": selection, **result})
+            print(f"{shape.name:14s} {selection:7s} loss {result['loss']:.3f}", flush=True)
+    probe = {"config": args.config, "text": str(args.text), "windows": args.windows, "seq_len": args.seq_len,
+             "seed": args.seed, "rows": rows}
+    args.json.write_text(json.dumps(probe, indent=1))
+    if args.markdown:
+        args.markdown.write_text(markdown(probe, args.runs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""experiments/frontier/oracle_probe.py: a shape that runs every token is the dense model, a dropped layer is
+layer dropping, and the oracle runs the tokens of largest update (not the first ones)."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import VOCAB, build_tiny
+
+PROBE_PY = Path(__file__).resolve().parents[1] / "experiments" / "frontier" / "oracle_probe.py"
+
+
+def load_probe():
+    spec = importlib.util.spec_from_file_location("oracle_probe", PROBE_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_loss(model, windows):
+    with torch.no_grad():
+        logits = model(windows).float()
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten()).item()
+
+
+def windows():
+    return torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(5))
+
+
+def test_every_token_routed_is_the_dense_model_with_and_without_skipped_tokens_kv():
+    probe, dense, tokens = load_probe(), build_tiny("dense"), windows()
+    reference = model_loss(dense, tokens)
+    for write_kv in (True, False):
+        shape = probe.Shape("all", routed=(0, 1, 2, 3), capacity=[1.0] * 4, skipped_tokens_write_kv=write_kv)
+        for selection in probe.SELECTIONS:
+            got = probe.shape_loss(dense, tokens, shape, selection, batch_size=2, seed=0)
+            assert math.isclose(got["loss"], reference, rel_tol=1e-5), (write_kv, selection)
+            assert got["executed_share_of_routed_and_dropped"] == 1.0
+
+
+def test_dropped_layers_are_the_layer_dropping_variant_and_routing_half_changes_the_loss():
+    probe, dense, tokens = load_probe(), build_tiny("dense"), windows()
+    dropped = probe.shape_loss(dense, tokens, probe.Shape("drop", dropped=(1, 2)), "oracle", 2, 0)
+    assert math.isclose(dropped["loss"], model_loss(build_tiny("layerdrop", dropped_layers=[1, 2]), tokens),
+                        rel_tol=1e-5)
+    half = {kv: probe.shape_loss(dense, tokens, probe.Shape("half", routed=(1, 2), capacity=[0.5, 0.5],
+                                                              skipped_tokens_write_kv=kv), "oracle", 2, 0)
+            for kv in (True, False)}
+    # the first token is one of the ⌊γT⌋ executed, not an extra one
+    assert half[True]["executed_share_of_routed_and_dropped"] == 0.5
+    # without the skipped tokens' keys/values the executed ones see less context: a different model
+    assert abs(half[True]["loss"] - half[False]["loss"]) > 1e-4
+    assert abs(half[True]["loss"] - model_loss(dense, tokens)) > 1e-4
+
+
+def test_oracle_runs_the_largest_updates_and_the_first_token_random_is_seeded():
+    probe = load_probe()
+    update = torch.tensor([[0.1, 5.0, 0.2, 4.0, 0.3, 3.0, 0.0, 2.0]])
+    assert probe.executed_positions(update, 0.5, "oracle", None).tolist() == [[0, 1, 3, 5]]
+    picks = [probe.executed_positions(torch.zeros(2, 8), 0.5, "random", torch.Generator().manual_seed(s))
+             for s in (3, 3, 4)]
+    assert torch.equal(picks[0], picks[1]) and not torch.equal(picks[0], picks[2])
+    assert all((p[:, 0] == 0).all() and p.shape == (2, 4) for p in picks)
+
+
+def test_without_skipped_tokens_kv_the_executed_tokens_attend_to_each_other_at_their_own_positions():
+    """Reference: the full layer under a mask that hides the skipped tokens' keys (RoPE at the true positions)."""
+    probe, dense, tokens = load_probe(), build_tiny("dense"), windows()
+    routed_layer, seq_len = 2, tokens.size(1)
+    with torch.no_grad():
+        h = dense.tok_embeddings(tokens)
+        for i, layer in enumerate(dense.layers):
+            full = layer(h)
+            if i == routed_layer:
+                positions = probe.executed_positions((full - h).norm(dim=-1), 0.5, "oracle", None)
+                executed = torch.zeros(tokens.shape, dtype=torch.bool).scatter(1, positions, True)
+                causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+                masked = layer(h, mask=causal & executed[:, None, :])
+                full = torch.where(executed[..., None], masked, h)
+            h = full
+        logits = dense.output(dense.norm(h)).float()
+    reference = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item()
+    shape = probe.Shape("one", routed=(routed_layer,), capacity=[0.5], skipped_tokens_write_kv=False)
+    got = probe.shape_loss(dense, tokens, shape, "oracle", batch_size=3, seed=0)["loss"]
+    assert math.isclose(got, reference, rel_tol=1e-5)
