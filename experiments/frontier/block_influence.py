@@ -12,15 +12,14 @@ strongest static baseline we know at equal FLOPs, rather than an arbitrary strid
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from torchtune import config, training
+from torchtune import config
 
-from torchtune_dtf.evaluation.routing_report import heldout_windows
+from torchtune_dtf.evaluation.routing_report import heldout_windows, load_trained
 
 
 @torch.no_grad()
@@ -47,14 +46,9 @@ def main(argv=None):
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     cfg = OmegaConf.load(args.config)
-    with tempfile.TemporaryDirectory() as out:
-        cfg.checkpointer.output_dir = out
-        state = config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
-    with training.set_default_dtype(torch.float32):
-        model = config.instantiate(cfg.model)
-    model.load_state_dict(state, strict=True)
+    model = load_trained(cfg, cfg.checkpointer.checkpoint_dir)  # the stock pretrained folder
     windows = heldout_windows(config.instantiate(cfg.tokenizer), args.text, args.seq_len, args.windows)
-    influence = block_influence(model.eval(), windows)
+    influence = block_influence(model, windows)
     inner = sorted(range(1, len(influence) - 1), key=lambda i: influence[i])
     print("layer  block influence")
     for i, value in enumerate(influence):

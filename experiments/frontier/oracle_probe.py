@@ -29,17 +29,16 @@ Evaluated on the study's held-out windows (the same ``heldout_windows`` the stud
 import argparse
 import json
 import math
-import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from torchtune import config, training
+from torchtune import config
 
-from torchtune_dtf.evaluation.routing_report import heldout_windows
+from torchtune_dtf.evaluation.routing_report import heldout_windows, load_trained
 
 EVERY_OTHER_INNER_30 = list(range(1, 29, 2))
 
@@ -199,13 +198,7 @@ def main(argv=None):
     if missing:
         parser.error(f"measuring needs {', '.join(missing)}")
     cfg = OmegaConf.load(args.config)
-    with tempfile.TemporaryDirectory() as out:
-        cfg.checkpointer.output_dir = out
-        state = config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
-    with training.set_default_dtype(torch.float32):
-        model = config.instantiate(cfg.model)
-    model.load_state_dict(state, strict=True)
-    model.eval()
+    model = load_trained(cfg, cfg.checkpointer.checkpoint_dir)  # the stock pretrained folder
     windows = heldout_windows(config.instantiate(cfg.tokenizer), args.text, args.seq_len, args.windows)
     rows = []
     for shape in SHAPES:
