@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import VOCAB, build_tiny
+from tests.test_recipe import load_config, train_assets, workdir  # noqa: F401  (fixtures)
+from torchtune_dtf.evaluation.routing_report import load_trained
 
 PROBE_PY = Path(__file__).resolve().parents[1] / "experiments" / "frontier" / "oracle_probe.py"
 
@@ -86,3 +88,19 @@ def test_without_skipped_tokens_kv_the_executed_tokens_attend_to_each_other_at_t
     shape = probe.Shape("one", routed=(routed_layer,), capacity=[0.5], skipped_tokens_write_kv=False)
     got = probe.shape_loss(dense, tokens, shape, "oracle", batch_size=3, seed=0)["loss"]
     assert math.isclose(got, reference, rel_tol=1e-5)
+
+
+def test_untrained_stt_teacher_in_a_shape_is_the_dense_model_where_it_runs_every_token(workdir):  # noqa: F811
+    """The STT rows build the study's STT model in the shape: every token run → dense; a dropped layer → gone."""
+    probe = load_probe()
+    stt = load_config("stt_train", **{"model.gate": "straight_through", "model.always_run_first_token": True})
+    dense = load_trained(load_config("dense_train"), "tiny_qwen2_5_hf")
+    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
+    everything = probe.Shape("all", routed=(0, 1, 2, 3), capacity=[1.0] * 4)
+    assert math.isclose(probe.stt_teacher_at_init(stt, everything, tokens, 2)["loss"], model_loss(dense, tokens),
+                        rel_tol=1e-5)
+    one_dropped = probe.Shape("drop", dropped=(1,), routed=(0, 2, 3), capacity=[1.0] * 3)
+    layer_dropping = probe.shape_loss(dense, tokens, probe.Shape("d", dropped=(1,)), "oracle", 2, 0)["loss"]
+    assert math.isclose(probe.stt_teacher_at_init(stt, one_dropped, tokens, 2)["loss"], layer_dropping, rel_tol=1e-5)
+    half = probe.Shape("half", routed=(1, 2), capacity=[0.5, 0.5])
+    assert abs(probe.stt_teacher_at_init(stt, half, tokens, 2)["loss"] - model_loss(dense, tokens)) > 1e-4

@@ -1,6 +1,6 @@
 """How much a perfect token choice is worth before any training, against dropping whole layers at the same FLOPs.
 
-The frontier study trains routers for 200 steps; a routed recipe that trails layer dropping could be held back
+The frontier study trains for 60 steps; a routed recipe that trails layer dropping could be held back
 by its routers (they choose badly) or by the shape itself (no choice of tokens at that budget beats removing
 layers). This probe separates the two on the pretrained model, with no training at all, by giving each routed
 layer the best choice it could make in hindsight:
@@ -8,7 +8,10 @@ layer the best choice it could make in hindsight:
 - ``oracle``: each routed layer runs the ⌊γT⌋ tokens whose *true* update ‖block(x_t) − x_t‖ is largest (the
   update the full layer would have made, on the hidden states that earlier routed layers actually produced;
   non-causal, never deployable: an upper bound on what a router can pick by update size);
-- ``random``: ⌊γT⌋ tokens drawn uniformly (seeded), the same choice as the study's random-routing baseline.
+- ``random``: ⌊γT⌋ tokens drawn uniformly (seeded), the same choice as the study's random-routing baseline;
+- ``stt teacher (init)`` (with ``--stt-config``): the STT model the study starts from, in the same shape (routing
+  weights initialised as the study's checkpointer does, untrained TPN), in teacher mode at the config's final β:
+  top-k on its surprise score. What the study's STT recipes choose at step 0.
 
 Both keep the first token (``always_run_first_token``, as every study config does). A skipped token leaves the
 layer unchanged. With ``skipped_tokens_write_kv`` the executed tokens attend to every token's keys/values, so
@@ -19,7 +22,8 @@ sits beside the trained run of that name.
 
     python experiments/frontier/oracle_probe.py --config configs/quickstart/dense_smollm2.yaml \
         --text quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256 \
-        --json experiments/frontier/oracle_probe.json --markdown experiments/frontier/oracle_probe.md
+        --json experiments/frontier/oracle_probe.json --markdown experiments/frontier/oracle_probe.md \
+        --stt-config configs/quickstart/stt_smollm2.yaml
     python experiments/frontier/oracle_probe.py --markdown-only \
         --json experiments/frontier/oracle_probe.json --markdown experiments/frontier/oracle_probe.md   # new runs
 
@@ -38,7 +42,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torchtune import config
 
-from torchtune_dtf.evaluation.routing_report import heldout_windows, load_trained
+from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, load_trained
+from torchtune_dtf.modules import RoutingContext
 
 EVERY_OTHER_INNER_30 = list(range(1, 29, 2))
 
@@ -88,6 +93,7 @@ SHAPES = [
           capacity=_same(0.5, 10), study_runs=("stt_d6_bi10_all_rlr10",)),
 ]
 SELECTIONS = ("oracle", "random")
+STT_AT_INIT = "stt teacher (init)"
 
 
 def executed_positions(update_norm: torch.Tensor, capacity: float, selection: str,
@@ -138,6 +144,21 @@ def shape_loss(model, windows: torch.Tensor, shape: Shape, selection: str, batch
     return {"loss": total / count, "executed_share_of_routed_and_dropped": executed / offered if offered else None}
 
 
+def stt_teacher_at_init(stt_cfg, shape: Shape, windows: torch.Tensor, batch_size: int) -> Dict:
+    """Held-out loss of the untrained STT model in ``shape``, teacher mode (top-k on surprise at the final β)."""
+    cfg = stt_cfg.copy()
+    routing = {"dropped_layers": list(shape.dropped), "routed_layers": list(shape.routed),
+               "capacity": list(shape.capacity), "skipped_tokens_write_kv": shape.skipped_tokens_write_kv,
+               "skip_update": "none"}
+    for key, value in routing.items():
+        OmegaConf.update(cfg, f"model.{key}", value)
+    model = load_trained(cfg, cfg.checkpointer.checkpoint_dir)
+    beta = cfg.beta_schedule
+    teacher = RoutingContext(mode="teacher", beta_ce=float(beta.beta_ce_end), beta_cu=float(beta.beta_cu_end))
+    return {"loss": heldout_loss(model, windows, teacher, batch_size),
+            "executed_share_of_routed_and_dropped": None}
+
+
 def trained(runs_dir: Path, name: str) -> Optional[Dict[str, float]]:
     """The study's student held-out loss and forward FLOPs ratio of run ``name``, mean over its seeds."""
     runs = [json.loads(p.read_text()) for p in sorted(runs_dir.glob(f"{name}__seed*.json"))]
@@ -151,13 +172,14 @@ def trained(runs_dir: Path, name: str) -> Optional[Dict[str, float]]:
 def markdown(probe: Dict, runs_dir: Path) -> str:
     rows = probe["rows"]
     dense = next(r["loss"] for r in rows if r["shape"]["name"] == "dense")
-    lines = ["# Token choice before training: oracle and random selection against layer dropping", "",
+    lines = ["# Token choice before training: hindsight, random and STT's own choice against layer dropping", "",
              f"Written by `python experiments/frontier/oracle_probe.py` (its docstring says what it does): the "
              f"pretrained model with no training, held-out loss per token on {probe['windows']} windows of "
              f"{probe['seq_len']} tokens of `{probe['text']}` (the study's held-out windows). Shapes as in "
-             "`study.yaml`; K/V: skipped tokens still write keys/values. The last columns are the study's trained "
-             f"runs of each shape (`{runs_dir}`; student held-out loss and measured forward FLOPs, mean over the "
-             "seeds landed), for comparison: what 200 steps of training make of the shape.", "",
+             "`study.yaml`; K/V: skipped tokens still write keys/values; selection `oracle`: the largest true "
+             "updates in hindsight; `stt teacher (init)`: the untrained STT model's teacher (top-k on surprise). "
+             f"The last columns are the study's trained runs of each shape (`{runs_dir}`; student held-out loss and measured forward FLOPs, mean over the "
+             "seeds landed), for comparison: what 60 steps of training make of the shape.", "",
              "| shape | dropped | routed (γ) | K/V | selection | loss | − dense | trained in the study: run, seeds, "
              "FLOPs, student loss |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -186,6 +208,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the random selection")
     parser.add_argument("--json", type=Path, required=True, help="written; read alone with --markdown-only")
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--stt-config", help="also the untrained STT teacher in each routed shape (study's STT config)")
     parser.add_argument("--runs", type=Path, default=Path(__file__).parent / "runs", help="the study's run JSONs")
     parser.add_argument("--markdown-only", action="store_true", help="rewrite --markdown from --json (new runs)")
     args = parser.parse_args(argv)
@@ -207,7 +230,11 @@ def main(argv=None):
                                 args.batch_size, args.seed)
             rows.append({"shape": asdict(shape), "selection": selection, **result})
             print(f"{shape.name:14s} {selection:7s} loss {result['loss']:.3f}", flush=True)
-    probe = {"config": args.config, "text": str(args.text), "windows": args.windows, "seq_len": args.seq_len,
+        if args.stt_config and shape.routed:
+            result = stt_teacher_at_init(OmegaConf.load(args.stt_config), shape, windows, args.batch_size)
+            rows.append({"shape": asdict(shape), "selection": STT_AT_INIT, **result})
+            print(f"{shape.name:14s} {STT_AT_INIT} loss {result['loss']:.3f}", flush=True)
+    probe = {"config": args.config, "stt_config": args.stt_config, "text": str(args.text), "windows": args.windows, "seq_len": args.seq_len,
              "seed": args.seed, "rows": rows}
     args.json.write_text(json.dumps(probe, indent=1))
     if args.markdown:
