@@ -58,7 +58,7 @@ def test_dropped_layers_are_the_layer_dropping_variant_and_routing_half_changes_
     assert abs(half[True]["loss"] - model_loss(dense, tokens)) > 1e-4
 
 
-def test_oracle_runs_the_largest_updates_and_the_first_token_random_is_seeded():
+def test_oracle_runs_the_first_token_and_the_largest_updates_and_random_choice_is_seeded():
     probe = load_probe()
     update = torch.tensor([[0.1, 5.0, 0.2, 4.0, 0.3, 3.0, 0.0, 2.0]])
     assert probe.executed_positions(update, 0.5, "oracle", None).tolist() == [[0, 1, 3, 5]]
@@ -102,5 +102,9 @@ def test_untrained_stt_teacher_in_a_shape_is_the_dense_model_where_it_runs_every
     one_dropped = probe.Shape("drop", dropped=(1,), routed=(0, 2, 3), capacity=[1.0] * 3)
     layer_dropping = probe.shape_loss(dense, tokens, probe.Shape("d", dropped=(1,)), "oracle", 2, 0)["loss"]
     assert math.isclose(probe.stt_teacher_at_init(stt, one_dropped, tokens, 2)["loss"], layer_dropping, rel_tol=1e-5)
-    half = probe.Shape("half", routed=(1, 2), capacity=[0.5, 0.5])
-    assert abs(probe.stt_teacher_at_init(stt, half, tokens, 2)["loss"] - model_loss(dense, tokens)) > 1e-4
+    # capacity and K/V reach the STT model: at γ 0.5 it is no longer dense, and keeping the skipped tokens' K/V
+    # changes what the executed ones see
+    half = {kv: probe.stt_teacher_at_init(stt, probe.Shape("half", routed=(1, 2), capacity=[0.5, 0.5],
+                                                           skipped_tokens_write_kv=kv), tokens, 2)["loss"]
+            for kv in (True, False)}
+    assert abs(half[True] - model_loss(dense, tokens)) > 1e-4 and abs(half[True] - half[False]) > 1e-4

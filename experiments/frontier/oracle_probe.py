@@ -1,17 +1,18 @@
-"""How much a perfect token choice is worth before any training, against dropping whole layers at the same FLOPs.
+"""What a good token choice is worth before any training, against dropping whole layers at about the same FLOPs.
 
 The frontier study trains for 60 steps; a routed recipe that trails layer dropping could be held back
 by its routers (they choose badly) or by the shape itself (no choice of tokens at that budget beats removing
-layers). This probe separates the two on the pretrained model, with no training at all, by giving each routed
-layer the best choice it could make in hindsight:
+layers). This probe looks at both on the pretrained model, with no training at all, with three choices of tokens:
 
 - ``oracle``: each routed layer runs the ⌊γT⌋ tokens whose *true* update ‖block(x_t) − x_t‖ is largest (the
-  update the full layer would have made, on the hidden states that earlier routed layers actually produced;
-  non-causal, never deployable: an upper bound on what a router can pick by update size);
-- ``random``: ⌊γT⌋ tokens drawn uniformly (seeded), the same choice as the study's random-routing baseline;
-- ``stt teacher (init)`` (with ``--stt-config``): the STT model the study starts from, in the same shape (routing
-  weights initialised as the study's checkpointer does, untrained TPN), in teacher mode at the config's final β:
-  top-k on its surprise score. What the study's STT recipes choose at step 0.
+  update the full layer would make with every token's context, on the hidden states that earlier routed layers
+  actually produced). Non-causal, never deployable, and greedy layer by layer: a strong choice by update size,
+  not a bound (without skipped tokens' K/V a token's update among the executed tokens alone differs from the
+  full-context one it is ranked by);
+- ``random``: ⌊γT⌋ tokens drawn uniformly (seeded), as the random-routing baseline's training teacher chooses;
+- ``stt teacher (init)`` (with ``--stt-config``): the untrained STT model in the same shape (routing weights
+  initialised as the study's checkpointer does, untrained TPN), in teacher mode at the final γ and β, without
+  the forecast update on skipped tokens: top-k on its surprise score.
 
 Both keep the first token (``always_run_first_token``, as every study config does). A skipped token leaves the
 layer unchanged. With ``skipped_tokens_write_kv`` the executed tokens attend to every token's keys/values, so
@@ -33,6 +34,7 @@ Evaluated on the study's held-out windows (the same ``heldout_windows`` the stud
 import argparse
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -104,7 +106,7 @@ def executed_positions(update_norm: torch.Tensor, capacity: float, selection: st
     if selection == "oracle":
         score = update_norm.float().clone()
     elif selection == "random":
-        score = torch.rand(b, seq_len, generator=generator)
+        score = torch.rand(b, seq_len, generator=generator).to(update_norm.device)
     else:
         raise ValueError(f"unknown selection {selection!r}; expected one of {SELECTIONS}")
     score[:, 0] = float("inf")
@@ -159,17 +161,17 @@ def stt_teacher_at_init(stt_cfg, shape: Shape, windows: torch.Tensor, batch_size
             "executed_share_of_routed_and_dropped": None}
 
 
-def trained(runs_dir: Path, name: str) -> Optional[Dict[str, float]]:
+def trained_run_summary(runs_dir: Path, name: str) -> Optional[Dict[str, float]]:
     """The study's student held-out loss and forward FLOPs ratio of run ``name``, mean over its seeds."""
     runs = [json.loads(p.read_text()) for p in sorted(runs_dir.glob(f"{name}__seed*.json"))]
     if not runs:
         return None
-    mean = lambda values: sum(values) / len(values)  # noqa: E731
-    return {"seeds": len(runs), "student_loss": mean([r["heldout"]["student_loss"] for r in runs]),
-            "flops": mean([r["compute"]["forward_flops_ratio"] for r in runs])}
+    return {"seeds": len(runs), "student_loss": statistics.mean(r["heldout"]["student_loss"] for r in runs),
+            "flops": statistics.mean(r["compute"]["forward_flops_ratio"] for r in runs)}
 
 
 def markdown(probe: Dict, runs_dir: Path) -> str:
+    """The probe's table (one row per shape and choice) with the study's trained runs of each shape beside it."""
     rows = probe["rows"]
     dense = next(r["loss"] for r in rows if r["shape"]["name"] == "dense")
     lines = ["# Token choice before training: hindsight, random and STT's own choice against layer dropping", "",
@@ -177,9 +179,10 @@ def markdown(probe: Dict, runs_dir: Path) -> str:
              f"pretrained model with no training, held-out loss per token on {probe['windows']} windows of "
              f"{probe['seq_len']} tokens of `{probe['text']}` (the study's held-out windows). Shapes as in "
              "`study.yaml`; K/V: skipped tokens still write keys/values; selection `oracle`: the largest true "
-             "updates in hindsight; `stt teacher (init)`: the untrained STT model's teacher (top-k on surprise). "
-             f"The last columns are the study's trained runs of each shape (`{runs_dir}`; student held-out loss and measured forward FLOPs, mean over the "
-             "seeds landed), for comparison: what 60 steps of training make of the shape.", "",
+             "updates in hindsight; `stt teacher (init)`: the untrained STT model's teacher (top-k on surprise, "
+             f"final γ and β). The last column is the study's trained runs of each shape (`{runs_dir}`; student "
+             "held-out loss and measured forward FLOPs, mean over the seeds landed): what 60 steps of training make "
+             "of the shape.", "",
              "| shape | dropped | routed (γ) | K/V | selection | loss | − dense | trained in the study: run, seeds, "
              "FLOPs, student loss |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -190,7 +193,7 @@ def markdown(probe: Dict, runs_dir: Path) -> str:
         study = []
         if r["selection"] in ("all", "oracle"):  # once per shape
             for name in s["study_runs"]:
-                t = trained(runs_dir, name)
+                t = trained_run_summary(runs_dir, name)
                 if t:
                     study.append(f"`{name}` ({t['seeds']}) {t['flops']:.3f}: {t['student_loss']:.3f}")
         lines.append(f"| {s['name']} | {dropped} | {routed} | {kv} | {r['selection']} | {r['loss']:.3f} | "
@@ -234,8 +237,8 @@ def main(argv=None):
             result = stt_teacher_at_init(OmegaConf.load(args.stt_config), shape, windows, args.batch_size)
             rows.append({"shape": asdict(shape), "selection": STT_AT_INIT, **result})
             print(f"{shape.name:14s} {STT_AT_INIT} loss {result['loss']:.3f}", flush=True)
-    probe = {"config": args.config, "stt_config": args.stt_config, "text": str(args.text), "windows": args.windows, "seq_len": args.seq_len,
-             "seed": args.seed, "rows": rows}
+    probe = {"config": args.config, "stt_config": args.stt_config, "text": str(args.text), "windows": args.windows,
+             "seq_len": args.seq_len, "seed": args.seed, "rows": rows}
     args.json.write_text(json.dumps(probe, indent=1))
     if args.markdown:
         args.markdown.write_text(markdown(probe, args.runs))
