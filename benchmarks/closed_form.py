@@ -37,6 +37,8 @@ Variants and technique options (model config keys; an absent key means the behav
 * ``skip_update: predicted`` (stt: the TPN's forecast; sdt: the PriorFFN's prior): at inference each skipped
   token also runs the predictor, ``6·d·d_p`` FLOPs, counted in ``routers`` (where FlopCounterMode's split puts
   the predictor modules). In training (teacher mode) the predictor already runs on every token.
+* ``skip_update: bias``: each skipped token adds the layer's learned d-vector, an elementwise add like the
+  residual adds (not counted as FLOPs); its d parameters per layer are read at inference.
 * The causal (student) router runs on every token of every routed layer of mod/sdt/stt; MoD's linear router
   runs at inference only when its gate is ``scaled`` (it gives σ(r)); in training it always runs.
 * Recipe key ``distillation: {weight, temperature}`` with weight > 0 adds a frozen dense teacher forward per
@@ -127,7 +129,7 @@ class RoutingShape:
     predictor_width: int = 0  # PriorFFN/TPN width d_p (SDT/STT)
     dropped_layers: Tuple[int, ...] = ()  # layerdrop: layers that run on no token
     skipped_tokens_write_kv: bool = False  # skipped tokens still project and write K/V; queries see every token
-    skip_update: str = "none"  # "none" | "predicted" (skipped tokens get the TPN/PriorFFN forecast at inference)
+    skip_update: str = "none"  # "none" | "predicted" (the TPN/PriorFFN forecast) | "bias" (a learned d-vector)
     mod_router_at_inference: bool = True  # MoD: the router runs in student mode (gate "scaled")
 
     @classmethod
@@ -167,11 +169,12 @@ class RoutingShape:
 
     def router_params_per_layer(self, shape: ModelShape) -> int:
         """Parameters of the routers a routed layer reads at inference (causal router, MoD router, and the
-        TPN/PriorFFN with ``skip_update: predicted``)."""
+        TPN/PriorFFN with ``skip_update: predicted``, the skip bias with ``skip_update: bias``)."""
         d, h = shape.embed_dim, self.router_hidden
         causal = d + self.router_inputs * d * h + h + h + 1 if self.has_causal_router else 0
         mod = d if self.variant == "mod" and self.mod_router_at_inference else 0
-        return causal + mod + (self.predictor_params(shape) if self.predicts_skipped else 0)
+        skip_bias = shape.embed_dim if self.skip_update == "bias" else 0
+        return causal + mod + skip_bias + (self.predictor_params(shape) if self.predicts_skipped else 0)
 
     @property
     def predicts_skipped(self) -> bool:

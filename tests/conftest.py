@@ -37,7 +37,7 @@ SURPRISE_ROUTING = dict(
 RANDOM_ROUTING = dict(routed_layers="every_other", capacity=0.5, always_run_first_token=False, skipped_tokens_write_kv=False)
 ROUTING = {
     "dense": {},
-    "layerdrop": dict(dropped_layers=[1, 2]),
+    "layerdrop": dict(dropped_layers=[1, 2], skip_update="none"),
     "random": RANDOM_ROUTING,
     "mod": MOD_ROUTING,
     "sdt": SURPRISE_ROUTING,

@@ -64,6 +64,28 @@ def test_layerdrop_equals_the_dense_model_without_those_layers(tokens):
     torch.testing.assert_close(dropped(tokens), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_layerdrop_with_skip_bias_adds_each_dropped_layers_vector_to_every_token(tokens):
+    dense = build_tiny("dense")
+    dropped = build_tiny("layerdrop", dropped_layers=[1, 2], skip_update="bias")
+    missing, unexpected = dropped.load_state_dict(dense.state_dict(), strict=False)
+    assert sorted(missing) == ["layers.1.skip_bias.update", "layers.2.skip_bias.update"] and not unexpected
+    torch.testing.assert_close(dropped(tokens), build_tiny("layerdrop", dropped_layers=[1, 2])(tokens), rtol=0, atol=0)
+    dim = dropped.layers[1].skip_bias.update.numel()
+    first, second = torch.linspace(-1, 1, dim), torch.linspace(0.5, -0.25, dim)
+    with torch.no_grad():
+        dropped.layers[1].skip_bias.update.copy_(first)
+        dropped.layers[2].skip_bias.update.copy_(second)
+        h = dense.tok_embeddings(tokens)
+        h = dense.layers[0](h) + first + second
+        expected = dense.output(dense.norm(dense.layers[3](h)))
+    torch.testing.assert_close(dropped(tokens), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layerdrop_refuses_a_forecast_it_does_not_have():
+    with pytest.raises(ValueError, match="layerdrop's skip_update must be 'none' or 'bias'"):
+        routed_qwen2("layerdrop", **tiny_architecture(), dropped_layers=[1], skip_update="predicted")
+
+
 @pytest.mark.parametrize("bad, message", [
     ([], "resolves to no layer"),
     ([0, 1, 2, 3], "drops every layer"),
@@ -72,7 +94,7 @@ def test_layerdrop_equals_the_dense_model_without_those_layers(tokens):
 ])
 def test_invalid_dropped_layers_are_rejected_naming_the_problem(bad, message):
     with pytest.raises(ValueError, match=message):
-        routed_qwen2("layerdrop", **tiny_architecture(), dropped_layers=bad)
+        routed_qwen2("layerdrop", **tiny_architecture(), dropped_layers=bad, skip_update="none")
 
 
 # ---- layer dropping inside a routed model --------------------------------------------------------------
@@ -277,6 +299,55 @@ def test_predicted_skip_update_trains_the_tpn_through_the_lm_loss(tokens):
 def test_predicted_skip_update_needs_a_forecast(variant):
     with pytest.raises(ValueError, match="skip_update: predicted needs a forecast"):
         build_tiny(variant, skip_update="predicted")
+
+
+# ---- learned constant update on the skip path (skip_update: bias) -------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["mod", "sdt", "stt"])
+def test_skip_bias_starts_as_no_skip_update_and_adds_its_vector_to_skipped_tokens_only(variant, tokens):
+    plain = build_tiny(variant)
+    biased = build_tiny(variant, skip_update="bias")
+    missing, unexpected = biased.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and missing and all(".skip_bias.update" in key for key in missing)
+    torch.testing.assert_close(biased(tokens), plain(tokens), rtol=0, atol=0)  # zero at initialisation
+
+    index = next(i for i, layer in enumerate(biased.layers) if isinstance(layer, RoutedSelfAttentionLayer))
+    layer = biased.layers[index]
+    vector = torch.linspace(-1.0, 1.0, layer.skip_bias.update.numel())
+    with torch.no_grad():
+        layer.skip_bias.update.copy_(vector)
+    x = layer_inputs(plain, tokens, index)
+    ctx = RoutingContext(mode="student")
+    base = plain.layers[index](x, routing=ctx)
+    ran = ctx.layers[index].selected_mask
+    assert 0 < ran.sum() < ran.numel()
+    out = layer(x, routing=RoutingContext(mode="student"))
+    torch.testing.assert_close(out[~ran], base[~ran] + vector, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[ran], base[ran])
+
+
+def test_skip_bias_decode_matches_full_forward(tokens):
+    model = build_tiny("stt", skip_update="bias", student_threshold=0.5)
+    with torch.no_grad():
+        for layer in model.layers:
+            if isinstance(layer, RoutedSelfAttentionLayer):
+                layer.skip_bias.update.normal_(0.0, 0.5)
+    full = model(tokens)
+    model.setup_caches(batch_size=tokens.shape[0], dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    incremental, _ = decode_incrementally(model, tokens, prompt_len=9)
+    torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-4)
+
+
+def test_skip_bias_learns_from_the_lm_loss_in_the_routers_group(tokens):
+    from torchtune_dtf.modules import routing_group_of
+
+    model = build_tiny("mod", skip_update="bias").train()
+    model(tokens, routing=RoutingContext(mode="teacher")).float().logsumexp(-1).mean().backward()
+    names = [name for name, _ in model.named_parameters() if ".skip_bias." in name]
+    assert names and all(routing_group_of(name) == "routers" for name in names)
+    grads = [param.grad for name, param in model.named_parameters() if ".skip_bias." in name]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
 
 
 # ---- capacity curriculum -----------------------------------------------------------------------------

@@ -274,6 +274,25 @@ def test_save_then_load_round_trips(variant, hf_dir, tmp_path, tokens):
         torch.testing.assert_close(teacher(reloaded), teacher(model), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("variant", ["mod", "stt"])
+def test_skip_bias_starts_at_zero_and_round_trips(variant, hf_dir, tmp_path, tokens):
+    cfg = model_config(variant, skip_update="bias")
+    ckpt = checkpointer(hf_dir, tmp_path / "out", cfg)
+    loaded = ckpt.load_checkpoint()[training.MODEL_KEY]
+    bias_keys = sorted(k for k in loaded if ".skip_bias." in k)
+    assert bias_keys and all(is_routing_key(k) and not loaded[k].any() for k in bias_keys)  # fresh: zero
+    model = build(cfg)
+    model.load_state_dict(loaded, strict=True)
+    trained_like(model)
+    ckpt.save_checkpoint({training.MODEL_KEY: model.state_dict()}, epoch=0)
+    saved = tmp_path / "out" / "epoch_0"
+    assert set(bias_keys) <= set(load_file(saved / ROUTING_WEIGHTS_FNAME))
+    reloaded_state = checkpointer(saved, tmp_path / "out2", cfg, seed=99).load_checkpoint()[training.MODEL_KEY]
+    for key in bias_keys:
+        assert reloaded_state[key].any()
+        torch.testing.assert_close(reloaded_state[key], model.state_dict()[key], rtol=0, atol=0)
+
+
 def test_saved_dir_is_a_stock_hf_checkpoint(hf_dir, tmp_path, tokens):
     cfg = every_token_config("stt")
     ckpt = checkpointer(hf_dir, tmp_path / "out", cfg)

@@ -108,3 +108,39 @@ def test_untrained_stt_teacher_in_a_shape_is_the_dense_model_where_it_runs_every
                                                            skipped_tokens_write_kv=kv), tokens, 2)["loss"]
             for kv in (True, False)}
     assert abs(half[True] - model_loss(dense, tokens)) > 1e-4 and abs(half[True] - half[False]) > 1e-4
+
+
+def test_a_constant_skip_update_is_the_models_skip_bias_and_the_mean_is_of_skipped_tokens_only():
+    probe, dense, tokens = load_probe(), build_tiny("dense"), windows()
+    dim = dense.tok_embeddings.embedding_dim
+    vectors = {1: torch.linspace(-1, 1, dim), 2: torch.linspace(0.5, -0.5, dim)}
+    # dropped layers: the probe's constant update is layer dropping with skip_update: bias at those values
+    model = build_tiny("layerdrop", dropped_layers=[1, 2], skip_update="bias")
+    model.load_state_dict(dense.state_dict(), strict=False)
+    with torch.no_grad():
+        for i, vector in vectors.items():
+            model.layers[i].skip_bias.update.copy_(vector)
+    got = probe.shape_loss(dense, tokens, probe.Shape("drop", dropped=(1, 2)), "oracle", 2, 0, skip_updates=vectors)
+    assert math.isclose(got["loss"], model_loss(model, tokens), rel_tol=1e-5)
+
+    # the mean skipped update of a dropped layer: every token but the first, on that layer's true input
+    sums = probe.SkippedUpdateSums()
+    probe.shape_loss(dense, tokens, probe.Shape("drop", dropped=(1,)), "oracle", 2, 0, skipped_sums=sums)
+    with torch.no_grad():
+        h = dense.layers[0](dense.tok_embeddings(tokens))
+        expected = (dense.layers[1](h) - h)[:, 1:].mean((0, 1))
+    torch.testing.assert_close(sums.means()[1], expected, rtol=1e-5, atol=1e-6)
+
+    # a routed layer: only the tokens it skips count, and only they receive the constant
+    shape = probe.Shape("half", routed=(1,), capacity=[0.5])
+    sums = probe.SkippedUpdateSums()
+    plain = probe.shape_loss(dense, tokens, shape, "oracle", 3, 0, skipped_sums=sums)
+    assert sums.counts[1] == tokens.numel() - 3 * math.floor(0.5 * tokens.shape[1])
+    with torch.no_grad():
+        full = dense.layers[1](h)
+        norms = (full - h).norm(dim=-1)
+        positions = probe.executed_positions(norms, 0.5, "oracle", None)
+        skipped = torch.ones_like(norms, dtype=torch.bool).scatter(1, positions, False)
+        torch.testing.assert_close(sums.means()[1], (full - h)[skipped].mean(0), rtol=1e-5, atol=1e-6)
+    biased = probe.shape_loss(dense, tokens, shape, "oracle", 3, 0, skip_updates={1: sums.means()[1]})
+    assert abs(biased["loss"] - plain["loss"]) > 1e-5

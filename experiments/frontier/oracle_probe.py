@@ -113,10 +113,35 @@ def executed_positions(update_norm: torch.Tensor, capacity: float, selection: st
     return score.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
+class SkippedUpdateSums:
+    """Running sum and count, per layer, of the true update ``block(x_t) − x_t`` [d] of the tokens a layer does
+    not run (a dropped layer: every token but the first, whose attention-sink update is outsized; a routed
+    layer: the tokens not selected). ``means()`` gives the mean skipped update per layer."""
+
+    def __init__(self) -> None:
+        self.sums: Dict[int, torch.Tensor] = {}
+        self.counts: Dict[int, int] = {}
+
+    def add(self, layer: int, updates: torch.Tensor) -> None:
+        """``updates`` [n, d]: the true updates of n skipped tokens."""
+        self.sums[layer] = self.sums.get(layer, 0) + updates.double().sum(0)
+        self.counts[layer] = self.counts.get(layer, 0) + updates.shape[0]
+
+    def means(self) -> Dict[int, torch.Tensor]:
+        return {layer: (total / self.counts[layer]).float() for layer, total in self.sums.items()}
+
+
 @torch.no_grad()
-def shape_loss(model, windows: torch.Tensor, shape: Shape, selection: str, batch_size: int, seed: int) -> Dict:
-    """Mean next-token loss over ``windows`` [n, T] of the pretrained model run in ``shape``; executed share."""
+def shape_loss(model, windows: torch.Tensor, shape: Shape, selection: str, batch_size: int, seed: int,
+               skip_updates: Optional[Dict[int, torch.Tensor]] = None,
+               skipped_sums: Optional[SkippedUpdateSums] = None) -> Dict:
+    """Mean next-token loss over ``windows`` [n, T] of the pretrained model run in ``shape``; executed share.
+
+    ``skip_updates`` {layer: [d]}: a constant update that the tokens a dropped or routed layer does not run
+    receive instead of nothing (``skip_update: bias`` with that value). ``skipped_sums``: filled with the true
+    updates of those tokens (runs the dropped layers' blocks too, to measure them)."""
     capacity = shape.capacity_of()
+    skip_updates = skip_updates or {}
     generator = torch.Generator().manual_seed(seed)
     total, count, executed, offered = 0.0, 0, 0, 0
     for batch in windows.split(batch_size):
@@ -125,6 +150,10 @@ def shape_loss(model, windows: torch.Tensor, shape: Shape, selection: str, batch
         for i, layer in enumerate(model.layers):
             if i in shape.dropped:
                 offered += b * seq_len
+                if skipped_sums is not None:
+                    skipped_sums.add(i, (layer(h) - h)[:, 1:].flatten(0, 1))
+                if i in skip_updates:
+                    h = h + skip_updates[i]
                 continue
             if i not in capacity:
                 h = layer(h)
@@ -132,11 +161,16 @@ def shape_loss(model, windows: torch.Tensor, shape: Shape, selection: str, batch
             full = layer(h)
             positions = executed_positions((full - h).norm(dim=-1), capacity[i], selection, generator)
             index = positions.unsqueeze(-1).expand(-1, -1, h.size(-1))
+            skipped = torch.ones(b, seq_len, dtype=torch.bool, device=h.device).scatter(1, positions, False)
+            if skipped_sums is not None:
+                skipped_sums.add(i, (full - h)[skipped])
             if shape.skipped_tokens_write_kv:
                 update = full.gather(1, index)
             else:
                 # the executed tokens alone: their own keys/values, RoPE at their original positions
                 update = layer(h.gather(1, index), input_pos=positions)
+            if i in skip_updates:
+                h = h + skip_updates[i] * skipped.unsqueeze(-1)
             h = h.scatter(1, index, update)
             executed += positions.numel()
             offered += b * seq_len

@@ -52,8 +52,9 @@ RANDOM_KEYS = ("routed_layers", "capacity", "always_run_first_token", "skipped_t
 
 REQUIRED_KEYS = {
     "dense": (),
-    # Static layer dropping (a baseline): the listed layers run on no token (their weights stay loaded).
-    "layerdrop": ("dropped_layers",),
+    # Static layer dropping (a baseline): the listed layers run on no token (their weights stay loaded);
+    # with skip_update "bias" every token receives each dropped layer's learned constant update instead.
+    "layerdrop": ("dropped_layers", "skip_update"),
     "random": RANDOM_KEYS,
     "mod": COMMON_KEYS,
     "sdt": COMMON_KEYS + SURPRISE_KEYS,
@@ -163,9 +164,14 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
         dropped = _resolve_dropped(routing, num_layers, problems) if variant == "layerdrop" else []
         if variant == "layerdrop" and "dropped_layers" in routing and not dropped and not problems:
             problems.append("dropped_layers resolves to no layer; use variant 'dense' for a dense model")
+        skip_update = routing.get("skip_update")
+        if variant == "layerdrop" and "skip_update" in routing and skip_update not in ("none", "bias"):
+            problems.append(f"layerdrop's skip_update must be 'none' or 'bias' (a dropped layer has no forecast), "
+                            f"got {skip_update!r}")
         if problems:
             raise ValueError("Invalid routing configuration:\n  - " + "\n  - ".join(problems))
-        return RoutingSpec(variant=variant, routed_layers=[], capacity=[], dropped_layers=dropped)
+        return RoutingSpec(variant=variant, routed_layers=[], capacity=[], dropped_layers=dropped,
+                           skip_update=skip_update)
 
     values: Dict[str, Any] = {key: routing.get(key) for key in required}
     layers = _resolve_layers(values["routed_layers"], num_layers, problems) if "routed_layers" in routing else []

@@ -3,7 +3,8 @@
 Each routed layer *is* a ``TransformerSelfAttentionLayer`` — torchtune dispatches on that class for KV
 caches, activation checkpointing, compile and FSDP wrapping — so its block weights keep the dense key
 names (``layers.3.attn.q_proj.weight``) and a stock checkpoint maps 1:1. The routing modules are extra
-children: ``mod_router``, ``causal_router``, ``transition`` (TPN), ``prior_ffn``, ``predictive_router``.
+children: ``mod_router``, ``causal_router``, ``transition`` (TPN), ``prior_ffn``, ``predictive_router``,
+``skip_bias``.
 
 What differs between variants is only how the teacher decides (selection and gate); execution is the
 shared :func:`routed_block_forward`, and the student (causal router) is the same everywhere.
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
 
-from torchtune_dtf.modules.predictors import ResidualPredictor
+from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias
 from torchtune_dtf.modules.routed_block import routed_block_forward
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, previous_token_states
 from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
@@ -32,19 +33,22 @@ from torchtune_dtf.modules.surprise import (
 
 # Child-module names that hold routing parameters (everything else is the pretrained backbone).
 #: Every routing module a layer may own, by attribute name, and the optimizer group that trains it: the
-#: predictors of the block's update, the predictive router's offsets (o_ce, m_cu), and the routers.
+#: predictors of the block's update, the predictive router's offsets (o_ce, m_cu), and the routers. The skip
+#: bias (one d-vector per layer, ``skip_update: bias``) trains with the routers: like them it is a small
+#: per-layer module that starts from nothing and must move within a short fine-tune.
 ROUTING_MODULE_GROUPS = {  # group order = the optimizer's param-group order, which checkpoints record
     "transition": "predictors",
     "prior_ffn": "predictors",
     "predictive_router": "predictive_router",
     "mod_router": "routers",
     "causal_router": "routers",
+    "skip_bias": "routers",
 }
 ROUTING_MODULE_NAMES = tuple(ROUTING_MODULE_GROUPS)
 STUDENT_ROUTING_MODES = ("threshold", "topk")
 TEACHER_SELECTIONS = ("topk", "threshold")
 GATE_MODES = ("scaled", "straight_through")
-SKIP_UPDATES = ("none", "predicted")
+SKIP_UPDATES = ("none", "predicted", "bias")
 
 
 def token_positions(
@@ -107,8 +111,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             error; set True only for an explicit analysis, never for evaluation.
         skipped_tokens_write_kv (bool): context-preserving attention: skipped tokens still compute and
             store their K/V, so selected tokens see the whole context (see :func:`routed_block_forward`).
-        skip_update (str): what a skipped token receives: ``"none"`` (it passes unchanged, the papers) or
-            ``"predicted"``, the variant's own forecast of the block's update (:meth:`skip_forecast`).
+        skip_update (str): what a skipped token receives: ``"none"`` (it passes unchanged, the papers),
+            ``"predicted"``, the variant's own forecast of the block's update (:meth:`skip_forecast`), or
+            ``"bias"``, a learned constant update (:class:`SkipBias`, child ``skip_bias``; every variant).
     """
 
     def __init__(
@@ -146,6 +151,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         self.allow_noncausal_student_topk = allow_noncausal_student_topk
         self.skipped_tokens_write_kv = skipped_tokens_write_kv
         self.skip_update = skip_update
+        if skip_update == "bias":
+            self.skip_bias = SkipBias(attn.embed_dim)
         # σ(r̃) > τ compared as r̃ > logit(τ) on fp32 logits: σ rounds to 1.0 (or 0.0) long before r̃ does.
         self.student_logit_threshold = None
         if student_routing_mode == "threshold":
@@ -380,6 +387,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             if cache is not None:
                 cache.last_output.copy_(out[:, -1].detach())
             out = out + self.skip_forecast(previous) * (~selection.mask)[..., None].to(out.dtype)
+        elif self.skip_update == "bias":
+            out = out + self.skip_bias().to(out.dtype) * (~selection.mask)[..., None].to(out.dtype)
         if cache is not None:
             cache.last_input.copy_(x[:, -1].detach())
             cache.seen += seq_len
@@ -449,9 +458,18 @@ class RandomRoutedLayer(RoutedSelfAttentionLayer):
 class DroppedLayer(TransformerSelfAttentionLayer):
     """A layer removed by static layer dropping (a baseline): it runs on no token.
 
-    Its weights stay (same keys, so the pretrained checkpoint loads 1:1) but take no part in the forward."""
+    Its weights stay (same keys, so the pretrained checkpoint loads 1:1) but take no part in the forward.
+    With ``skip_bias`` (``skip_update: bias``) every token receives that learned constant update instead:
+    ``x + b``, shapes ``[b, s, d]`` → ``[b, s, d]``."""
+
+    def __init__(self, attn, mlp, *, sa_norm, mlp_norm, skip_bias: Optional[SkipBias] = None) -> None:
+        super().__init__(attn=attn, mlp=mlp, sa_norm=sa_norm, mlp_norm=mlp_norm)
+        if skip_bias is not None:
+            self.skip_bias = skip_bias
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        if hasattr(self, "skip_bias"):
+            return x + self.skip_bias().to(x.dtype)
         return x
 
 

@@ -122,7 +122,7 @@ RESUME_INVARIANT_KEYS = (
 #: Fingerprint entries added after checkpoints had been written, each with the value under which a run computes
 #: what it computed before the entry existed. A checkpoint that lacks the entry resumes while the config holds
 #: that value; any other value is a change like every other. The study driver reads the same table for results.
-ADDED_FINGERPRINT_ENTRIES: Dict[str, Any] = {"model.dropped_layers": []}
+ADDED_FINGERPRINT_ENTRIES: Dict[str, Any] = {"model.dropped_layers": [], "model.skip_update": "none"}
 #: What ``resume_from_checkpoint: extend`` may change: the length of the run.
 EXTENDABLE_KEYS = ("epochs", "max_steps_per_epoch")
 RESUME_MODES = (False, True, "extend")
