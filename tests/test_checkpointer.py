@@ -13,9 +13,10 @@ from torchtune import config, training
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
 from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 
-from tests.conftest import MAX_SEQ_LEN, MOD_ROUTING, SURPRISE_ROUTING, VOCAB
+from tests.conftest import MAX_SEQ_LEN, MOD_ROUTING, SURPRISE_ROUTING, VOCAB, tiny_architecture
 from torchtune_dtf.evaluation.routing_report import load_trained
 from torchtune_dtf.models.qwen2_5 import merged_model_config
+from torchtune_dtf.models.routing_config import with_keys_added_later
 from torchtune_dtf.modules import RoutingContext, is_routing_key
 from torchtune_dtf.training import ROUTING_WEIGHTS_FNAME, RoutedHFCheckpointer, routed_adapter_state_dict
 
@@ -538,3 +539,26 @@ def test_yaml_checkpointer_with_model_interpolation_loads_strictly(hf_dir, tmp_p
         config.instantiate(cfg.model).load_state_dict(state, strict=True)
     direct = checkpointer(hf_dir, tmp_path / "out2", cfg.model)  # a DictConfig works too
     assert set(direct.load_checkpoint()[training.MODEL_KEY]) == set(state)
+
+
+def test_a_layerdrop_config_saved_before_skip_update_was_required_still_loads(hf_dir, tmp_path, tokens):
+    """Runs trained layer dropping before ``skip_update`` was a required key: the config they saved loads as
+    ``skip_update: none`` (what they trained), a config with the key is taken as written, and a variant that has
+    no such key gets none."""
+
+    def run_cfg(**routing):
+        model = {"_component_": "torchtune_dtf.models.qwen2_5.routed_qwen2", "variant": "layerdrop",
+                 **tiny_architecture(), "vocab_size": VOCAB, "dropped_layers": [1], **routing}
+        return OmegaConf.create({"model": model, "checkpointer": {
+            "_component_": "torchtune_dtf.training.RoutedHFCheckpointer", "checkpoint_dir": "unused",
+            "checkpoint_files": [], "model_type": "QWEN2", "output_dir": "unused", "model": "${model}",
+            "routing_init_seed": 0}})
+
+    old = load_trained(run_cfg(), hf_dir)
+    assert not any(".skip_bias." in k for k in old.state_dict())
+    biased = load_trained(run_cfg(skip_update="bias"), hf_dir)
+    assert any(".skip_bias." in k for k in biased.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(old(tokens), biased(tokens), rtol=0, atol=0)  # fresh bias: zero
+    assert with_keys_added_later({"variant": "dense"}) == {"variant": "dense"}
+    assert with_keys_added_later({"variant": "layerdrop", "dropped_layers": [1]})["skip_update"] == "none"

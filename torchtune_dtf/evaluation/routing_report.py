@@ -34,6 +34,7 @@ from torchtune import config, training
 from torchtune.config._utils import _merge_yaml_and_cli_args
 
 from torchtune_dtf.models.qwen2_5 import merged_model_config
+from torchtune_dtf.models.routing_config import with_keys_added_later
 from torchtune_dtf.modules.routing_context import RoutingContext
 from torchtune_dtf.training.checkpointer import hf_weight_files
 from torchtune_dtf.training.routing_losses import routing_metrics
@@ -96,10 +97,12 @@ def load_trained(cfg: DictConfig, checkpoint_dir: Path) -> torch.nn.Module:
     ``output_dir`` is a temporary folder, not one beside a checkpoint the user may not own.
 
     A LoRA run's config loads its checkpoint into the builder's non-LoRA twin (:func:`merged_model_config`): the
-    recipe saves LoRA merged into the base weights."""
+    recipe saves LoRA merged into the base weights. A config saved before a routing key became required loads
+    with the value that computes what it trained (:func:`~torchtune_dtf.models.routing_config.with_keys_added_later`)."""
     checkpoint_dir = Path(checkpoint_dir)
     cfg = cfg.copy()
-    OmegaConf.update(cfg, "model", merged_model_config(OmegaConf.to_container(cfg.model, resolve=True)), merge=False)
+    model_cfg = with_keys_added_later(merged_model_config(OmegaConf.to_container(cfg.model, resolve=True)))
+    OmegaConf.update(cfg, "model", model_cfg, merge=False)
     ckpt_cfg = OmegaConf.merge(
         cfg.checkpointer, {"checkpoint_dir": str(checkpoint_dir), "checkpoint_files": hf_weight_files(checkpoint_dir)}
     )

@@ -62,6 +62,23 @@ REQUIRED_KEYS = {
 }
 
 
+#: Routing keys made required after runs had saved configs and checkpoints without them, each with the value
+#: that computes what such a run computed: a saved config that lacks one loads with it (:func:`with_keys_added_later`),
+#: and the recipe resumes such a checkpoint while the config holds that value.
+KEYS_ADDED_LATER: Dict[str, Any] = {"dropped_layers": [], "skip_update": "none"}
+
+
+def with_keys_added_later(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """A saved ``model`` section (``variant`` given) completed with the :data:`KEYS_ADDED_LATER` its variant
+    requires but the config predates; every other config is returned unchanged (as a new dict)."""
+    cfg = dict(model_cfg)
+    required = REQUIRED_KEYS.get(cfg.get("variant"), ())
+    for key, value in KEYS_ADDED_LATER.items():
+        if key in required and key not in cfg:
+            cfg[key] = value
+    return cfg
+
+
 @dataclass(frozen=True)
 class RoutingSpec:
     """Validated routing hyperparameters of one model (see :func:`validate_routing`).

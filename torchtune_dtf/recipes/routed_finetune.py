@@ -59,7 +59,7 @@ from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params, g
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from torchtune_dtf.models.routing_config import REQUIRED_KEYS as ROUTING_KEYS, STATIC_VARIANTS
+from torchtune_dtf.models.routing_config import KEYS_ADDED_LATER, REQUIRED_KEYS as ROUTING_KEYS, STATIC_VARIANTS
 from torchtune_dtf.modules import ROUTING_MODULE_GROUPS, routing_group_of
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import RoutingContext
@@ -122,7 +122,7 @@ RESUME_INVARIANT_KEYS = (
 #: Fingerprint entries added after checkpoints had been written, each with the value under which a run computes
 #: what it computed before the entry existed. A checkpoint that lacks the entry resumes while the config holds
 #: that value; any other value is a change like every other. The study driver reads the same table for results.
-ADDED_FINGERPRINT_ENTRIES: Dict[str, Any] = {"model.dropped_layers": [], "model.skip_update": "none"}
+ADDED_FINGERPRINT_ENTRIES: Dict[str, Any] = {f"model.{key}": value for key, value in KEYS_ADDED_LATER.items()}
 #: What ``resume_from_checkpoint: extend`` may change: the length of the run.
 EXTENDABLE_KEYS = ("epochs", "max_steps_per_epoch")
 RESUME_MODES = (False, True, "extend")
@@ -525,7 +525,9 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         if saved is None:
             raise ValueError(f"{folder} holds no resume fingerprint (written by an older version): it cannot be resumed exactly")
         absent = "<absent>"
-        saved = {**{key: off for key, off in ADDED_FINGERPRINT_ENTRIES.items() if key not in saved}, **saved}
+        # Only entries the config has: a variant without the key (dense has no skip_update) has nothing to compare.
+        saved = {**{key: off for key, off in ADDED_FINGERPRINT_ENTRIES.items()
+                    if key not in saved and key in self._fingerprint}, **saved}
         diffs = [
             f"{key}: checkpoint {saved.get(key, absent)!r}, config {self._fingerprint.get(key, absent)!r}"
             for key in sorted(set(saved) | set(self._fingerprint))
