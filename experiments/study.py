@@ -479,6 +479,7 @@ def eleuther_config(study: Dict[str, Any], saved_config: Path, checkpoint_dir: P
     from omegaconf import OmegaConf
 
     from torchtune_dtf.models.qwen2_5 import merged_model_config
+    from torchtune_dtf.models.routing_config import with_keys_added_later
 
     el = study["eleuther"]
     root = Path(study["_root"])
@@ -486,7 +487,8 @@ def eleuther_config(study: Dict[str, Any], saved_config: Path, checkpoint_dir: P
     saved = OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True)
     cfg = dict(template)
     cfg["output_dir"] = str(eval_dir)
-    cfg["model"] = merged_model_config(saved["model"])  # a LoRA run's checkpoint holds LoRA merged into the base
+    # a LoRA run's checkpoint holds LoRA merged into the base; a run older than a required key evaluates as it trained
+    cfg["model"] = with_keys_added_later(merged_model_config(saved["model"]))
     tokenizer = _absolutize_paths(saved["tokenizer"], root)
     if "tokenizer" in template and "max_seq_len" in template["tokenizer"]:
         tokenizer["max_seq_len"] = template["tokenizer"]["max_seq_len"]

@@ -574,3 +574,23 @@ def test_frontier_queue_lists_every_run_and_seed_of_the_study_and_nothing_else()
     listed = [item for line in text.splitlines() for item in line.split("#")[0].split()]
     assert set(listed) - defined == set(), "queue.txt names runs or seeds the study does not define"
     assert defined - set(listed) == set(), "study.yaml defines runs queue.txt never runs"
+
+
+def test_eleuther_config_of_a_run_older_than_a_required_key_evaluates_as_it_trained(tmp_path):
+    """A layer-dropping run saved its config before ``skip_update`` was required: the stock eleuther_eval config the
+    driver writes for it names ``skip_update: none`` (it would not build otherwise); a newer run's value is kept."""
+    from omegaconf import OmegaConf
+
+    study = load_driver()
+    root = Path(__file__).resolve().parents[1]
+    saved = OmegaConf.load(root / "configs" / "quickstart" / "layerdrop_smollm2.yaml")
+    spec = {"eleuther": {"config": str(root / "configs" / "quickstart" / "eval_stt_smollm2.yaml"),
+                         "include_path": "tasks"}, "_root": str(root)}
+    for written, expected in ((None, "none"), ("bias", "bias")):
+        if written is None:
+            saved.model.pop("skip_update")
+        else:
+            saved.model.skip_update = written
+        OmegaConf.save(saved, tmp_path / "torchtune_config.yaml")
+        cfg = study.eleuther_config(spec, tmp_path / "torchtune_config.yaml", tmp_path, tmp_path / "eval")
+        assert cfg["model"]["skip_update"] == expected and cfg["model"]["variant"] == "layerdrop"
