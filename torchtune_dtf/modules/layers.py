@@ -464,13 +464,10 @@ class DroppedLayer(TransformerSelfAttentionLayer):
 
     def __init__(self, attn, mlp, *, sa_norm, mlp_norm, skip_bias: Optional[SkipBias] = None) -> None:
         super().__init__(attn=attn, mlp=mlp, sa_norm=sa_norm, mlp_norm=mlp_norm)
-        if skip_bias is not None:
-            self.skip_bias = skip_bias
+        self.skip_bias = skip_bias  # None: no child, so the state dict keeps the dense keys
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        if hasattr(self, "skip_bias"):
-            return x + self.skip_bias().to(x.dtype)
-        return x
+        return x if self.skip_bias is None else x + self.skip_bias().to(x.dtype)
 
 
 class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):
