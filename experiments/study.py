@@ -848,12 +848,16 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
     def finish(fig, ax, name, empty_note, integer_x=True):
         if integer_x:
             ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        fig.tight_layout()
         if not ax.has_data():
             ax.text(0.5, 0.5, empty_note, ha="center", va="center", transform=ax.transAxes)
         elif ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=110)
+            # Placed after the layout, one column per 24 entries, the saved canvas grown to hold it (bbox_inches):
+            # the axes keep their size, and a study of many runs loses no name off the figure's edge.
+            entries = len(ax.get_legend_handles_labels()[0])
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                      ncol=math.ceil(entries / 24))
+        fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(name)
 
@@ -902,7 +906,8 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
         axes[1].set_title("zoom: dense to the layer-dropping line")
     else:
         axes[1].set_title("zoom (no layer-dropping run yet)")
-    finish(fig, axes[0], "frontier.png", "no run with held-out loss and FLOPs yet", integer_x=False)
+    # the legend right of the last panel, where the canvas grows to hold it
+    finish(fig, axes[-1], "frontier.png", "no run with held-out loss and FLOPs yet", integer_x=False)
 
     # (b) training curves
     fig, ax = plt.subplots(figsize=(9, 4.8))
