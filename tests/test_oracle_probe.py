@@ -5,6 +5,7 @@ import importlib.util
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -144,3 +145,22 @@ def test_a_constant_skip_update_is_the_models_skip_bias_and_the_mean_is_of_skipp
         torch.testing.assert_close(sums.means()[1], (full - h)[skipped].mean(0), rtol=1e-5, atol=1e-6)
     biased = probe.shape_loss(dense, tokens, shape, "oracle", 3, 0, skip_updates={1: sums.means()[1]})
     assert abs(biased["loss"] - plain["loss"]) > 1e-5
+
+
+def test_only_merges_remeasured_shapes_into_the_probe_in_shape_order_and_refuses_other_settings():
+    probe = load_probe()
+    names = [shape.name for shape in probe.SHAPES]
+    settings = {"config": "c.yaml", "stt_config": "s.yaml", "text": "h.jsonl", "windows": 16, "seq_len": 256, "seed": 0}
+
+    def row(name, selection, loss):
+        return {"shape": {"name": name}, "selection": selection, "loss": loss}
+
+    earlier = {**settings, "rows": [row(names[0], "all", 1.0), row(names[2], "oracle", 2.0),
+                                    row(names[2], "random", 3.0)]}
+    new = {**settings, "rows": [row(names[2], "oracle", 4.0), row(names[2], "random", 5.0),
+                                row(names[1], "all", 6.0)]}
+    got = probe.merged(earlier, new)
+    assert [(r["shape"]["name"], r["selection"], r["loss"]) for r in got["rows"]] == [
+        (names[0], "all", 1.0), (names[1], "all", 6.0), (names[2], "oracle", 4.0), (names[2], "random", 5.0)]
+    with pytest.raises(ValueError, match="windows"):
+        probe.merged(earlier, {**new, "windows": 8})

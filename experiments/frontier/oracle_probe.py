@@ -27,6 +27,7 @@ sits beside the trained run of that name.
         --stt-config configs/quickstart/stt_smollm2.yaml
     python experiments/frontier/oracle_probe.py --markdown-only \
         --json experiments/frontier/oracle_probe.json --markdown experiments/frontier/oracle_probe.md   # new runs
+    python experiments/frontier/oracle_probe.py <the first command's arguments> --only d3_bi6_g75 ...   # new shapes
 
 Evaluated on the study's held-out windows (the same ``heldout_windows`` the study scores trained runs on).
 """
@@ -39,15 +40,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torchtune import config
 
-from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, load_trained
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this checkout's benchmarks (closed-form FLOPs)
+
+from benchmarks import closed_form  # noqa: E402
+from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, load_trained  # noqa: E402
 from torchtune_dtf.modules import RoutingContext
 
 EVERY_OTHER_INNER_30 = list(range(1, 29, 2))
+# block_influence.json's inner layers, least influence first (the order the study's biN / dK names count in)
+BY_INFLUENCE = (14, 13, 17, 15, 12, 16, 25, 26, 11, 18, 2, 4, 5, 10, 3, 9, 6, 19, 7, 22, 27, 21, 8, 28, 23, 20, 24, 1)
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,16 @@ SHAPES = [
           study_runs=("stt_d2_bi5_all_rlr10", "stt_d2_bi5_all_nocurr_rlr10")),
     Shape("stt_bi8_graded", routed=(14, 13, 17, 15, 12, 16, 25, 26), capacity=[0.25] * 4 + [0.75] * 4,
           study_runs=("stt_bi8_graded_all_rlr10",)),
+    Shape("stt_d3_bi4_g75", dropped=(14, 13, 17), routed=(15, 12, 16, 25), capacity=_same(0.75, 4),
+          study_runs=("stt_d3_bi4_g75_all_rlr10",)),
+    # probe only (not trained): the same ≈ 4.5 layers' worth of skipped work spread thinner, over more layers at a
+    # higher γ, in block-influence order; does a mild skip on many layers keep more than a deep one on few?
+    Shape("d2_bi10_g75", dropped=BY_INFLUENCE[:2], routed=BY_INFLUENCE[2:12], capacity=_same(0.75, 10)),
+    Shape("d3_bi6_g75", dropped=BY_INFLUENCE[:3], routed=BY_INFLUENCE[3:9], capacity=_same(0.75, 6)),
+    Shape("d1_bi14_g75", dropped=BY_INFLUENCE[:1], routed=BY_INFLUENCE[1:15], capacity=_same(0.75, 14)),
+    Shape("bi12_g62", routed=BY_INFLUENCE[:12], capacity=_same(0.625, 12)),
+    Shape("bi18_g75", routed=BY_INFLUENCE[:18], capacity=_same(0.75, 18)),
+    Shape("all28_g84", routed=BY_INFLUENCE, capacity=_same(0.84, 28)),
     # ≈ 0.81
     Shape("layerdrop_7", dropped=(12, 13, 14, 15, 16, 17, 25), study_runs=("layerdrop_7", "layerdrop_7_distill")),
     Shape("stt_d4_bi7", dropped=(14, 13, 17, 15), routed=(12, 16, 25, 26, 11, 18, 2), capacity=_same(0.5, 7),
@@ -195,6 +215,22 @@ def stt_teacher_at_init(stt_cfg, shape: Shape, windows: torch.Tensor, batch_size
             "executed_share_of_routed_and_dropped": None}
 
 
+def shape_flops_ratio(stt_model: Dict, shape: Shape, seq_len: int) -> float:
+    """Closed-form forward FLOPs per token of ``shape`` against dense (``benchmarks/closed_form.py``), as the study
+    counts its runs: a routed shape is the STT student of ``stt_model`` (the STT config's ``model`` section) at γ per
+    routed layer, its routers included, nothing on the skip path; a shape without routed layers is layer dropping."""
+    if shape.routed:
+        model = {**stt_model, "dropped_layers": list(shape.dropped), "routed_layers": list(shape.routed),
+                 "capacity": list(shape.capacity), "skipped_tokens_write_kv": shape.skipped_tokens_write_kv,
+                 "skip_update": "none"}
+    else:
+        model = {key: value for key, value in stt_model.items() if key in closed_form.ARCH_KEYS}
+        model.update(variant="layerdrop" if shape.dropped else "dense", dropped_layers=list(shape.dropped))
+    architecture = closed_form.model_shape_from_config(model)
+    routing = closed_form.routing_shape_from_model_config(model, architecture.num_layers, architecture.embed_dim)
+    return float(closed_form.per_token_compute(architecture, routing, seq_len)["forward_flops_ratio"])
+
+
 def trained_run_summary(runs_dir: Path, name: str) -> Optional[Dict[str, float]]:
     """The study's student held-out loss and forward FLOPs ratio of run ``name``, mean over its seeds."""
     runs = [json.loads(p.read_text()) for p in sorted(runs_dir.glob(f"{name}__seed*.json"))]
@@ -208,6 +244,7 @@ def markdown(probe: Dict, runs_dir: Path) -> str:
     """The probe's table (one row per shape and choice) with the study's trained runs of each shape beside it."""
     rows = probe["rows"]
     dense = next(r["loss"] for r in rows if r["shape"]["name"] == "dense")
+    stt_model = OmegaConf.to_container(OmegaConf.load(probe["stt_config"]).model) if probe.get("stt_config") else None
     lines = ["# Token choice before training: hindsight, random and STT's own choice against layer dropping", "",
              f"Written by `python experiments/frontier/oracle_probe.py` (its docstring says what it does): the "
              f"pretrained model with no training, held-out loss per token on {probe['windows']} windows of "
@@ -216,11 +253,17 @@ def markdown(probe: Dict, runs_dir: Path) -> str:
              "updates in hindsight; `stt teacher (init)`: the untrained STT model's teacher (top-k on surprise, "
              f"final γ and β). The last column is the study's trained runs of each shape (`{runs_dir}`; student "
              "held-out loss and measured forward FLOPs, mean over the seeds landed): what 60 steps of training make "
-             "of the shape.", "",
-             "| shape | dropped | routed (γ) | K/V | selection | loss | − dense | trained in the study: run, seeds, "
-             "FLOPs, student loss |", "|---|---|---|---|---|---|---|---|"]
+             "of the shape. FLOPs: closed-form forward FLOPs per token against dense (`benchmarks/closed_form.py`) "
+             "of the shape as the STT student at γ (routers counted, nothing on the skip path), or as layer dropping; "
+             "shapes without a trained run are probes only.", "",
+             "| shape | FLOPs | dropped | routed (γ) | K/V | selection | loss | − dense | trained in the study: run, "
+             "seeds, FLOPs, student loss |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["shape"]
+        flops = "–"
+        if stt_model is not None:
+            shape = Shape(**{key: tuple(value) if isinstance(value, list) else value for key, value in s.items()})
+            flops = f"{shape_flops_ratio(stt_model, shape, probe['seq_len']):.3f}"
         routed = ", ".join(f"{layer} ({c:g})" for layer, c in zip(s["routed"], s["capacity"])) or "–"
         dropped = ", ".join(map(str, s["dropped"])) or "–"
         kv = ("yes" if s["skipped_tokens_write_kv"] else "no") if s["routed"] else "–"
@@ -230,9 +273,24 @@ def markdown(probe: Dict, runs_dir: Path) -> str:
                 t = trained_run_summary(runs_dir, name)
                 if t:
                     study.append(f"`{name}` ({t['seeds']}) {t['flops']:.3f}: {t['student_loss']:.3f}")
-        lines.append(f"| {s['name']} | {dropped} | {routed} | {kv} | {r['selection']} | {r['loss']:.3f} | "
+        lines.append(f"| {s['name']} | {flops} | {dropped} | {routed} | {kv} | {r['selection']} | {r['loss']:.3f} | "
                      f"{r['loss'] - dense:+.3f} | {'; '.join(study)} |")
     return "\n".join(lines) + "\n"
+
+
+def merged(earlier: Dict, new: Dict) -> Dict:
+    """``earlier`` with ``new``'s rows in place of its rows of the same shapes, in SHAPES order; the settings of
+    both must agree (rows measured on other windows or another seed would not compare)."""
+    settings = ("config", "stt_config", "text", "windows", "seq_len", "seed")
+    differ = [k for k in settings if earlier.get(k) != new.get(k)]
+    if differ:
+        raise ValueError(f"--only: the existing probe was measured with other {differ}: "
+                         f"{ {k: earlier.get(k) for k in differ} } vs { {k: new.get(k) for k in differ} }")
+    remeasured = {row["shape"]["name"] for row in new["rows"]}
+    rows = [row for row in earlier["rows"] if row["shape"]["name"] not in remeasured] + new["rows"]
+    order = {shape.name: i for i, shape in enumerate(SHAPES)}
+    rows.sort(key=lambda row: order.get(row["shape"]["name"], len(order)))  # stable: a shape's rows keep their order
+    return {**earlier, "rows": rows}
 
 
 def main(argv=None):
@@ -248,6 +306,8 @@ def main(argv=None):
     parser.add_argument("--stt-config", help="also the untrained STT teacher in each routed shape (study's STT config)")
     parser.add_argument("--runs", type=Path, default=Path(__file__).parent / "runs", help="the study's run JSONs")
     parser.add_argument("--markdown-only", action="store_true", help="rewrite --markdown from --json (new runs)")
+    parser.add_argument("--only", nargs="+", metavar="SHAPE",
+                        help="measure these shapes alone and merge their rows into the existing --json")
     args = parser.parse_args(argv)
     if args.markdown_only:
         if not args.markdown:
@@ -260,8 +320,14 @@ def main(argv=None):
     cfg = OmegaConf.load(args.config)
     model = load_trained(cfg, cfg.checkpointer.checkpoint_dir)  # the stock pretrained folder
     windows = heldout_windows(config.instantiate(cfg.tokenizer), args.text, args.seq_len, args.windows)
+    shapes = SHAPES
+    if args.only:
+        unknown = sorted(set(args.only) - {shape.name for shape in SHAPES})
+        if unknown:
+            parser.error(f"--only: no shape named {unknown}; known: {[shape.name for shape in SHAPES]}")
+        shapes = [shape for shape in SHAPES if shape.name in args.only]
     rows = []
-    for shape in SHAPES:
+    for shape in shapes:
         for selection in SELECTIONS if shape.routed else ("all",):
             result = shape_loss(model, windows, shape, "oracle" if selection == "all" else selection,
                                 args.batch_size, args.seed)
@@ -273,6 +339,8 @@ def main(argv=None):
             print(f"{shape.name:14s} {STT_AT_INIT} loss {result['loss']:.3f}", flush=True)
     probe = {"config": args.config, "stt_config": args.stt_config, "text": str(args.text), "windows": args.windows,
              "seq_len": args.seq_len, "seed": args.seed, "rows": rows}
+    if args.only:
+        probe = merged(json.loads(args.json.read_text()), probe)
     args.json.write_text(json.dumps(probe, indent=1))
     if args.markdown:
         args.markdown.write_text(markdown(probe, args.runs))
