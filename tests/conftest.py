@@ -1,5 +1,8 @@
 """Shared fixtures: tiny routed Qwen2 models with fixed initialisation."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -82,3 +85,11 @@ def _perturb_norms(model, seed):
 @pytest.fixture
 def tokens():
     return torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(7))
+
+
+def load_script(path: Path, name: str):
+    """The Python file at ``path`` (an experiment script, not a package module) imported as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,7 +1,6 @@
 """experiments/frontier/oracle_probe.py: a shape that runs every token is the dense model, a dropped layer is
 layer dropping, and the oracle runs the tokens of largest update (not the first ones)."""
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import VOCAB, build_tiny
+from tests.conftest import VOCAB, build_tiny, load_script
 from tests.test_recipe import load_config, train_assets, workdir  # noqa: F401  (fixtures)
 from torchtune_dtf.evaluation.routing_report import load_trained
 
@@ -17,10 +16,7 @@ PROBE_PY = Path(__file__).resolve().parents[1] / "experiments" / "frontier" / "o
 
 
 def load_probe():
-    spec = importlib.util.spec_from_file_location("oracle_probe", PROBE_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PROBE_PY, "oracle_probe")
 
 
 def model_loss(model, windows):

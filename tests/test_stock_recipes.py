@@ -52,6 +52,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
+from tests.conftest import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "tiny"
 TASK_ASSETS = Path(__file__).resolve().parent / "assets" / "lm_eval_tasks"
@@ -251,11 +253,7 @@ def _stock_recipe_module(name: str):
     import importlib.util
 
     locations = importlib.util.find_spec("recipes").submodule_search_locations
-    path = Path(list(locations)[0]) / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_torchtune_recipe_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(list(locations)[0]) / f"{name}.py", f"_torchtune_recipe_{name}")
 
 
 def _output(proc: subprocess.CompletedProcess) -> str:

@@ -6,7 +6,6 @@ skips finished runs (no retraining), and the aggregate README (tables, paired di
 Slow paths: the stock eleuther_eval step; a study killed mid-training and resumed from its checkpoint.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_script
 from tests.test_recipe import train_assets  # noqa: F401,E402  (session fixture)
 from torchtune_dtf.evaluation.metric_logs import parse_disk_logs
 
@@ -29,10 +29,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def load_driver():
-    spec = importlib.util.spec_from_file_location("study_driver", STUDY_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(STUDY_PY, "study_driver")
 
 
 @pytest.fixture(scope="module")
@@ -369,10 +366,7 @@ def test_a_model_key_added_after_a_run_finished_leaves_it_current_only_while_off
 
 
 def _load_frontier_script(name):
-    spec = importlib.util.spec_from_file_location(f"frontier_{name}", REPO / "experiments" / "frontier" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "experiments" / "frontier" / f"{name}.py", f"frontier_{name}")
 
 
 def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flops(tmp_path):

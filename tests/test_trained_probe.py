@@ -1,13 +1,13 @@
 """experiments/frontier/trained_probe.py: the trained run, rebuilt on the dense model with its learned skip biases,
 is the routed model wherever the choice of tokens cannot matter; its shape is read from the run's config."""
 
-import importlib.util
 import math
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
+from tests.conftest import load_script
 from tests.test_recipe import load_config, run_recipe, train_assets, workdir  # noqa: F401  (fixtures)
 from torchtune_dtf.evaluation.routing_report import load_trained
 
@@ -15,10 +15,7 @@ PROBE_PY = Path(__file__).resolve().parents[1] / "experiments" / "frontier" / "t
 
 
 def load_probe():
-    spec = importlib.util.spec_from_file_location("trained_probe", PROBE_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PROBE_PY, "trained_probe")
 
 
 def test_at_full_capacity_every_choice_is_the_trained_routed_model_with_its_dropped_layers_skip_bias(workdir):  # noqa: F811
