@@ -39,3 +39,12 @@ def test_at_full_capacity_every_choice_is_the_trained_routed_model_with_its_drop
         assert math.isclose(loss[choice], loss["teacher"], rel_tol=1e-5), choice
     # the learned skip bias of the dropped layer is part of that model
     assert abs(loss["oracle, no skip bias"] - loss["oracle"]) > 1e-4
+
+    # the page: one row per choice, mean ± std over the runs and the difference to the student per run
+    shifted = {choice: value + 0.5 for choice, value in loss.items()}
+    page = probe.markdown_page({"windows": 2, "seq_len": 16, "text": "t.jsonl", "beta": 100.0,
+                                "runs": [{"run": "a", "loss": loss}, {"run": "b", "loss": shifted}]})
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in page.splitlines() if line.startswith("| ")}
+    assert set(probe.CHOICES) <= set(rows) and "`a`, `b`" in page
+    gap = loss["random"] - loss["student"]
+    assert f"| {loss['random'] + 0.25:.3f} ± 0.354 | {gap:.3f} ± 0.000 |" in rows["random"]

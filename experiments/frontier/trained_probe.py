@@ -17,7 +17,8 @@ the trained weights in that shape are the limit. The run's checkpoint must hold 
 
     python experiments/frontier/trained_probe.py --dense-config configs/quickstart/dense_smollm2.yaml \
         --text quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256 \
-        --json experiments/frontier/trained_probe.json --runs quickstart_work/studies/<study>/runs/<run>__seed0 ...
+        --json experiments/frontier/trained_probe.json --markdown experiments/frontier/trained_probe.md \
+        --runs quickstart_work/studies/<study>/runs/<run>__seed0 ...
 """
 
 import argparse
@@ -89,6 +90,17 @@ def markdown(result: Dict) -> List[str]:
     return lines
 
 
+def markdown_page(result: Dict) -> str:
+    """The table with what was measured, for ``--markdown``."""
+    names = ", ".join(f"`{r['run']}`" for r in result["runs"])
+    return "\n".join([
+        "# Token choice after training", "",
+        "Written by `python experiments/frontier/trained_probe.py` (its docstring says what it does): held-out loss "
+        f"per token on {result['windows']} windows of {result['seq_len']} tokens of `{result['text']}` (the study's "
+        f"held-out windows) of the trained runs {names}, each in its own shape with the tokens each choice picks; "
+        f"the teacher at β {result['beta']:g}.", "", *markdown(result)]) + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dense-config", required=True, help="the dense training config (model, tokenizer, checkpointer)")
@@ -99,6 +111,7 @@ def main(argv=None):
     parser.add_argument("--beta", type=float, default=100.0, help="the teacher's β (the configs' beta_*_end)")
     parser.add_argument("--runs", type=Path, nargs="+", required=True, help="trained run folders (epoch_0 kept)")
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--markdown", type=Path, help="also the table, with what was measured")
     args = parser.parse_args(argv)
     dense_cfg = OmegaConf.load(args.dense_config)
     dense = load_trained(dense_cfg, dense_cfg.checkpointer.checkpoint_dir)
@@ -112,6 +125,8 @@ def main(argv=None):
               "seq_len": args.seq_len, "beta": args.beta, "runs": runs}
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print("\n".join(markdown(result)))
+    if args.markdown:
+        args.markdown.write_text(markdown_page(result))
 
 
 if __name__ == "__main__":
