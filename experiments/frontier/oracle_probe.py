@@ -36,11 +36,10 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
-
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +55,8 @@ from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_window
 from torchtune_dtf.modules import RoutingContext
 
 EVERY_OTHER_INNER_30 = list(range(1, 29, 2))
-# block_influence.json's inner layers, least influence first (the order the study's biN / dK names count in)
-BY_INFLUENCE = (14, 13, 17, 15, 12, 16, 25, 26, 11, 18, 2, 4, 5, 10, 3, 9, 6, 19, 7, 22, 27, 21, 8, 28, 23, 20, 24, 1)
+# the inner layers, least block influence first (the order the study's biN / dK names count in)
+BY_INFLUENCE = tuple(json.loads((Path(__file__).parent / "block_influence.json").read_text())["inner_layers_by_influence"])
 
 
 @dataclass(frozen=True)

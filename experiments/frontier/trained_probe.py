@@ -81,11 +81,13 @@ def probe_run(run_dir: Path, dense, windows: torch.Tensor, beta: float, batch_si
 def markdown(result: Dict) -> List[str]:
     """One row per choice: mean ± std over the runs, and the choice minus the student per run."""
     rows = result["runs"]
+    def spread(xs: List[float]) -> str:
+        return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
     lines = ["| choice | held-out loss (mean ± std) | − student (mean ± std) | per run |", "|---|---|---|---|"]
     for choice in CHOICES:
         values = [r["loss"][choice] for r in rows]
         deltas = [r["loss"][choice] - r["loss"]["student"] for r in rows]
-        spread = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"  # noqa: E731
         lines.append(f"| {choice} | {spread(values)} | {spread(deltas)} | {', '.join(f'{v:.3f}' for v in values)} |")
     return lines
 
