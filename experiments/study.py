@@ -36,7 +36,11 @@ Study file (YAML)
         config: configs/quickstart/stt_smollm2.yaml
         overrides: {model.gate: scaled, model.routed_layers: every_other}
 
-A run's overrides may not touch a budget key (every run trains on the same budget).
+A run's overrides may not touch a budget key (every run trains on the same budget). A study that repeats another's
+runs at another budget or on another machine names them instead of copying them (``runs_from``; the list ``runs``,
+if present, adds runs of its own after them)::
+
+    runs_from: {study: experiments/frontier/study.yaml, names: [dense, layerdrop_4_distill_bias]}
 
 What ``run`` does for each (run, seed) whose result JSON does not exist yet (finished runs are skipped, so a
 study is resumable; delete a JSON to redo that run):
@@ -129,15 +133,35 @@ class StudyError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ study file
+def _runs_from(source: Any, root: Path, path: Path) -> List[Dict[str, Any]]:
+    """``runs_from: {study: other.yaml, names: [...]}``: those runs of another study, definitions and all, so that
+    a study at another budget trains exactly what the first one did (the copies cannot drift apart)."""
+    from omegaconf import OmegaConf
+
+    if not isinstance(source, dict) or set(source) != {"study", "names"} or not source["names"]:
+        raise StudyError(f"{path}: runs_from needs exactly {{study: PATH, names: [RUN, ...]}}, got {source!r}")
+    other = root / source["study"]
+    if not other.is_file():
+        raise StudyError(f"{path}: runs_from study {str(other)!r} does not exist")
+    defined = {run.get("name"): run for run in OmegaConf.to_container(OmegaConf.load(other), resolve=True)["runs"]}
+    unknown = [name for name in source["names"] if name not in defined]
+    if unknown:
+        raise StudyError(f"{path}: runs_from names {unknown} are not runs of {source['study']}")
+    return [dict(defined[name]) for name in source["names"]]
+
+
 def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
     """The study as a plain dict, paths made absolute against ``root`` (default: the working directory)."""
     from omegaconf import OmegaConf
 
     root = Path(root or Path.cwd()).resolve()
     study = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    problems = [f"missing key {key!r}" for key in ("name", "out_dir", "work_dir", "seeds", "runs") if key not in study]
+    required = ("name", "out_dir", "work_dir", "seeds") + (() if "runs_from" in study else ("runs",))
+    problems = [f"missing key {key!r}" for key in required if key not in study]
     if problems:
         raise StudyError(f"{path}: " + "; ".join(problems))
+    if "runs_from" in study:
+        study["runs"] = _runs_from(study.pop("runs_from"), root, path) + list(study.get("runs") or [])
     study.setdefault("budget", {})
     study.setdefault("baselines", [])
     study.setdefault("claims_runs", None)

@@ -560,6 +560,36 @@ def test_predictor_curve_is_the_mean_per_layer_share_not_the_mean_mse():
     assert raw[0] == pytest.approx(450.4)
 
 
+def test_runs_from_takes_another_studys_definitions_by_name_and_rejects_unknown_names(tmp_path):
+    """A study at another budget (experiments/budget_h100) trains the frontier's runs exactly, not a drifting copy."""
+    study = load_driver()
+    first = {"name": "a", "out_dir": "a", "work_dir": "wa", "seeds": [0], "heldout": {"file": "h.jsonl"},
+             "runs": [{"name": "dense", "config": "d.yaml"},
+                      {"name": "stt", "config": "s.yaml", "overrides": {"model.capacity": 0.75}}]}
+    (tmp_path / "first.yaml").write_text(json.dumps(first))
+    second = {"name": "b", "out_dir": "b", "work_dir": "wb", "seeds": [0, 1], "heldout": {"file": "h.jsonl"},
+              "budget": {"max_steps_per_epoch": 200}, "baselines": ["dense"],
+              "runs_from": {"study": "first.yaml", "names": ["stt", "dense"]},
+              "runs": [{"name": "mod", "config": "m.yaml"}]}
+    path = tmp_path / "second.yaml"
+    path.write_text(json.dumps(second))
+    runs = study.load_study(path, root=tmp_path)["runs"]
+    assert [run["name"] for run in runs] == ["stt", "dense", "mod"]
+    assert runs[0]["overrides"] == {"model.capacity": 0.75}
+    assert runs[0]["config"] == str(tmp_path / "s.yaml")
+    path.write_text(json.dumps({**second, "runs_from": {"study": "first.yaml", "names": ["stt", "sdt"]}}))
+    with pytest.raises(study.StudyError, match=r"runs_from names \['sdt'\] are not runs of first.yaml"):
+        study.load_study(path, root=tmp_path)
+    path.write_text(json.dumps({**second, "runs_from": {"study": "first.yaml"}}))
+    with pytest.raises(study.StudyError, match="runs_from needs exactly"):
+        study.load_study(path, root=tmp_path)
+    # the committed GPU-budget studies: the frontier's definitions, only the budget differs
+    frontier = {run["name"]: run for run in study.load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)["runs"]}
+    for name in ("study.yaml", "anchor60.yaml"):
+        spec = study.load_study(REPO / "experiments" / "budget_h100" / name, root=REPO)
+        assert spec["runs"] and all(run == frontier[run["name"]] for run in spec["runs"])
+
+
 def test_frontier_queue_lists_every_run_and_seed_of_the_study_and_nothing_else():
     """queue.sh runs exactly the pairs of queue.txt: a typo there would silently never run (or never finish)."""
     study = load_driver().load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)
