@@ -136,18 +136,16 @@ class StudyError(RuntimeError):
 def _runs_from(source: Any, root: Path, path: Path) -> List[Dict[str, Any]]:
     """``runs_from: {study: other.yaml, names: [...]}``: those runs of another study, definitions and all, so that
     a study at another budget trains exactly what the first one did (the copies cannot drift apart)."""
-    from omegaconf import OmegaConf
-
     if not isinstance(source, dict) or set(source) != {"study", "names"} or not source["names"]:
         raise StudyError(f"{path}: runs_from needs exactly {{study: PATH, names: [RUN, ...]}}, got {source!r}")
     other = root / source["study"]
     if not other.is_file():
         raise StudyError(f"{path}: runs_from study {str(other)!r} does not exist")
-    defined = {run.get("name"): run for run in OmegaConf.to_container(OmegaConf.load(other), resolve=True)["runs"]}
+    defined = {run["name"]: run for run in load_study(other, root)["runs"]}  # validated as a study of its own
     unknown = [name for name in source["names"] if name not in defined]
     if unknown:
         raise StudyError(f"{path}: runs_from names {unknown} are not runs of {source['study']}")
-    return [dict(defined[name]) for name in source["names"]]
+    return [defined[name] for name in source["names"]]
 
 
 def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:

@@ -16,6 +16,7 @@ LOGS=${LOGS:-/tmp/budget_logs}
 BUNDLE=/tmp/budget_bundle
 mkdir -p "$LOGS"
 
+[ -z "${NO_WHEELS:-}" ] && export PYTHONPATH=/tmp/site   # the carried versions ahead of the image's
 if [ -z "${SKIP_SETUP:-}" ]; then
     cat "$PARTS"/part_* > /tmp/budget_bundle.tar
     echo "$(cat "$PARTS/bundle.sha256")  /tmp/budget_bundle.tar" | sha256sum -c || { echo "FAIL bundle checksum"; exit 1; }
@@ -23,14 +24,11 @@ if [ -z "${SKIP_SETUP:-}" ]; then
     if [ -z "${NO_WHEELS:-}" ]; then   # (NO_WHEELS=1: the python in PY has them, as a local dry run's does)
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             "$BUNDLE"/wheels/*.whl || { echo "FAIL wheels"; exit 1; }
-        export PYTHONPATH=/tmp/site
     fi
     mkdir -p quickstart_work && cp -r "$BUNDLE/corpus" quickstart_work/
     $PY -m torchtune_dtf.offline.gguf_to_hf --gguf "$BUNDLE/smollm2.gguf" --out quickstart_work/smollm2_hf \
         > "$LOGS/convert.log" 2>&1 || { echo "FAIL conversion"; tail -20 "$LOGS/convert.log"; exit 1; }
     echo "converted: $(ls quickstart_work/smollm2_hf | tr '\n' ' ')"
-elif [ -z "${NO_WHEELS:-}" ]; then
-    export PYTHONPATH=/tmp/site
 fi
 
 export OMP_NUM_THREADS=1   # the held-out evaluation runs on the CPU, in every process at once
