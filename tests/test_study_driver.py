@@ -389,6 +389,15 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
         "stt_dear": ("stt", 0.83, [4.45, 4.55, 4.65]),
         "stt_new": ("stt", 0.80, [4.0]),                 # best by its margin, one seed: not yet
         "mod_far": ("mod", 0.60, [9.0, 9.0, 9.0]),       # at no level
+        # ≈ 0.90, where the 0.10 bar is judged on the lowest loss at ≤ 0.90 FLOPs among recipes that beat both
+        # baselines. stt_b: furthest below layer dropping (4.175, 4.275, 4.375 at 0.875: −0.065), +0.11 from dense
+        "stt_b": ("stt", 0.875, [4.11, 4.22, 4.30]),
+        # stt_c: −0.022 ± 0.003 below layer dropping at 0.895 (met), +0.073 from dense: the one judged
+        "stt_c": ("stt", 0.895, [4.07, 4.17, 4.28]),
+        # lower still, but layer dropping at 0.899 matches it (+0.075 ± 0.058): not eligible
+        "stt_tie": ("stt", 0.899, [4.05, 4.20, 4.25]),
+        # +0.02 from dense and below layer dropping, but above 0.90 of dense FLOPs: not eligible
+        "stt_far": ("stt", 0.92, [4.02, 4.12, 4.22]),
     }
     for name, (variant, ratio, losses, *teacher) in table.items():
         for seed, loss in enumerate(losses):
@@ -398,11 +407,15 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
                  "heldout": heldout}))
     targets = _load_frontier_script("targets")
     markdown = targets.targets_table(tmp_path)
-    rows = {}
+    rows, rows_90 = {}, {}
     for line in markdown.splitlines():
         cells = [c.strip() for c in line.split("|")]
-        if len(cells) > 5 and cells[1] == "0.81":
-            rows[(cells[2], cells[3])] = (cells[4], cells[5])
+        if len(cells) > 5 and cells[1] in ("0.81", "0.90"):
+            (rows if cells[1] == "0.81" else rows_90)[(cells[2], cells[3])] = (cells[4], cells[5])
+    assert rows_90[("within 0.10 nats of dense (lowest loss at ≤ 0.90 FLOPs among the recipes that beat both "
+                    "baselines)", "stt_c − dense (at 0.895)")] == ("+0.073 ± 0.003 se (n = 3)", "met")
+    assert rows_90[("best < layer dropping at its FLOPs by > 2 se",
+                    "stt_b − layer dropping at 0.875 (layerdrop_7 0.810 ↔ layerdrop_4 0.890)")][1] == "met"
     drop_at = "layer dropping at 0.800 (layerdrop_7 (0.810, more FLOPs))"
     assert rows[("best < layer dropping at its FLOPs by > 2 se", f"stt_new − {drop_at}")][1] == "not yet (1/3 seeds)"
     numbers, verdict = rows[("best with 3 seeds < layer dropping at its FLOPs by > 2 se", f"stt_a − {drop_at}")]
@@ -585,8 +598,8 @@ def test_runs_from_takes_another_studys_definitions_by_name_and_rejects_unknown_
         study.load_study(path, root=tmp_path)
     # the committed GPU-budget studies: the frontier's definitions, only the budget differs
     frontier = {run["name"]: run for run in study.load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)["runs"]}
-    for name in ("study.yaml", "anchor60.yaml"):
-        spec = study.load_study(REPO / "experiments" / "budget_h100" / name, root=REPO)
+    for name in ("budget_h100/study.yaml", "budget_h100/anchor60.yaml", "budget_cpu200/study.yaml"):
+        spec = study.load_study(REPO / "experiments" / name, root=REPO)
         assert spec["runs"] and all(run == frontier[run["name"]] for run in spec["runs"])
 
 
