@@ -126,6 +126,7 @@ BUDGET_SCHEDULE_KEYS = ("save_every_n_steps", "validation.every_n_steps", "log_e
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
 PLOTS = ("frontier.png", "curves.png", "validation.png", "executed_fraction.png", "claims.png")
+ROUTED_VARIANTS = ("mod", "sdt", "stt")
 
 
 class StudyError(RuntimeError):
@@ -897,6 +898,14 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
         if xm is not None and ym is not None:
             marks.append((n, str(runs[n][0].get("variant", "?")), xm, xs, ym, ys))
     dense_losses = [(n, _mean_std([r["heldout"]["student_loss"] for r in runs.get(n, [])])[0]) for n in dense_names]
+    # A study of many recipes puts dozens at one FLOP level, so only each family's Pareto front is named (no run
+    # of the same family at fewer or equal FLOPs with a lower or equal loss): the runs a reader compares. Every
+    # point is still drawn, and the tables name them all.
+    named = {n for n, family, xm, _, ym, _ in marks
+             if not any(f == family and o != n and x <= xm and y <= ym for o, f, x, _, y, _ in marks)}
+    # Named points close in FLOPs take turns above and below their marker, so two fronts crossing stay legible.
+    label_offset = {n: (4, 3 if i % 2 == 0 else -9)
+                    for i, n in enumerate(sorted(named, key=lambda n: next(m[2] for m in marks if m[0] == n)))}
     # Left: every run. Right: the band between dense and the layer-dropping line, where the comparisons are.
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.6))
     for ax in axes:
@@ -905,8 +914,9 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
             color = family_colors.get(family, "tab:brown")
             ax.errorbar([xm], [ym], xerr=[xs], yerr=[ys], fmt="o", markersize=4, capsize=2, color=color,
                         label=None if family in seen else family)
-            ax.annotate(f"{n} ({len(runs[n])})", (xm, ym), textcoords="offset points", xytext=(4, 3), fontsize=6,
-                        color=color)
+            if n in named:
+                ax.annotate(f"{n} ({len(runs[n])})", (xm, ym), textcoords="offset points", xytext=label_offset[n],
+                            fontsize=6, color=color)
             seen.add(family)
         for family in ("layerdrop", "random"):
             # At equal FLOPs (layer dropping with and without distillation) the line takes the lower loss: the
@@ -920,7 +930,8 @@ def make_plots(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[str, A
                 ax.axhline(ym, color="gray", linestyle="--", linewidth=1, label=f"{n} (reference)")
         ax.set_xlabel("forward FLOPs per token ÷ dense (closed form)")
         ax.set_ylabel("held-out loss per token (student)")
-    axes[0].set_title("Quality–compute frontier (mean ± std over seeds; (n) = seeds)")
+    axes[0].set_title("Quality–compute frontier (mean ± std over seeds; (n) = seeds;\nnamed: each family's "
+                      "Pareto front)")
     drop_losses = [ym for _, f, _, _, ym, _ in marks if f == "layerdrop"]
     floor = min([ym for _, ym in dense_losses if ym is not None] + [ym for *_, ym, _ in marks], default=None)
     if drop_losses and floor is not None:
@@ -1050,7 +1061,7 @@ def claims_section(out_dir: Path, order: List[str], runs: Dict[str, List[Dict[st
     grid[2, 1].axis("off")
     # Fig. 2A: the training LM loss of the routed runs (MoD too), as the paper compares them
     for n in names:
-        if runs[n][0].get("variant") in ("mod", "sdt", "stt") and n in drawn:
+        if runs[n][0].get("variant") in ROUTED_VARIANTS and n in drawn:
             steps, lm = _mean_curve(runs[n], "loss/lm")
             if steps:
                 axes["2A"].plot(steps, lm, "-" if runs[n][0]["variant"] == "stt" else "--" if runs[n][0]["variant"]
