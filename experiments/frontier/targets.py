@@ -136,6 +136,11 @@ def paired(a, b):
     return study.paired_difference([a[s] - b[s] for s in seeds])
 
 
+def lower_by_two_se(pd) -> bool:
+    """Target 1's margin: the paired difference below 0 by more than 2 standard errors."""
+    return pd["se"] is not None and pd["mean"] < 0 and -pd["mean"] > 2 * pd["se"]
+
+
 def fmt(pd):
     if pd["n"] == 0:
         return "no common seed"
@@ -184,7 +189,7 @@ def targets_table(out_dir: Path) -> str:
             if kind not in families:
                 return False
             pd = paired(losses[name], matched(name, families[kind], runs, losses)[0])
-            if pd["n"] < SEEDS_NEEDED or not (pd["mean"] < 0 and -pd["mean"] > 2 * pd["se"]):
+            if pd["n"] < SEEDS_NEEDED or not lower_by_two_se(pd):
                 return False
         return True
 
@@ -209,7 +214,7 @@ def targets_table(out_dir: Path) -> str:
                     continue
                 baseline, where = matched(candidate, families[kind], runs, losses)
                 pd = paired(losses[candidate], baseline)
-                ok = pd["se"] is not None and pd["mean"] < 0 and -pd["mean"] > 2 * pd["se"]
+                ok = lower_by_two_se(pd)
                 lines.append(f"| {level} | {label} < {name} at its FLOPs by > 2 se | {candidate} − {name} {where} "
                              f"| {fmt(pd)} | {verdict(ok, pd['n'])} |")
                 if kind == "layerdrop" and teacher_losses[candidate]:
