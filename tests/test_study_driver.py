@@ -475,6 +475,36 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     assert "Off budget" in markdown and "`mod_far` 0.600" in markdown
 
 
+def test_frontier_targets_check_another_study_folder_from_the_command_line(tmp_path):
+    # `targets.py --study DIR --write` judges that study's runs (e.g. the 200-step budget study) and writes its
+    # targets.md there, not into the frontier folder; a folder without runs/ is refused by name.
+    (tmp_path / "runs").mkdir()
+    for name, variant, ratio, losses in (("dense", "dense", 1.0, [4.00, 4.10, 4.20]),
+                                         ("layerdrop_4", "layerdrop", 0.893, [4.08, 4.18, 4.28]),
+                                         ("stt_x", "stt", 0.895, [4.07, 4.19, 4.27])):
+        for seed, loss in enumerate(losses):
+            (tmp_path / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
+                {"name": name, "seed": seed, "variant": variant, "compute": {"forward_flops_ratio": ratio},
+                 "heldout": {"student_loss": loss}}))
+    frontier_table = (REPO / "experiments" / "frontier" / "targets.md").read_text()
+    script = REPO / "experiments" / "frontier" / "targets.py"
+    done = subprocess.run([sys.executable, str(script), "--study", str(tmp_path), "--write"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    written = (tmp_path / "targets.md").read_text()
+    assert f"targets.py --study {tmp_path} --write" in written
+    # no random-routing run: the bar is shown on the best recipe (+0.07, +0.09, +0.07 from dense) and judged literally
+    assert "| 0.90 | within 0.10 nats of dense | stt_x − dense | +0.077 ± 0.007 se (n = 3) | met |" in written
+    assert "| 0.90 | best < random routing at its FLOPs by > 2 se | stt_x | no random run yet | not yet |" in written
+    # ... while it only ties layer dropping at its FLOPs (interpolated towards dense at 1.0)
+    assert ("| stt_x − layer dropping at 0.895 (layerdrop_4 0.893 ↔ dense 1.000) | -0.002 ± 0.007 se (n = 3) "
+            "| not met |") in written
+    assert (REPO / "experiments" / "frontier" / "targets.md").read_text() == frontier_table
+    refused = subprocess.run([sys.executable, str(script), "--study", str(tmp_path / "nowhere")], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and f"--study {tmp_path / 'nowhere'}: no runs/ folder there" in refused.stderr
+
+
 def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
     # Hand-made run files whose curves and held-out reports are chosen so each claim's verdict is known.
     (tmp_path / "runs").mkdir()

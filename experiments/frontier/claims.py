@@ -236,7 +236,7 @@ def claims_table(out_dir: Path) -> str:
 
 
 def main() -> str:
-    return targets.print_or_write(__doc__.split("\n\n")[0], claims_table(HERE), "claims.md",
+    return targets.print_or_write(__doc__.split("\n\n")[0], claims_table, "claims.md",
                                   "The papers' claims on the runs so far",
                                   "criteria in its docstring, plots in [README.md](README.md#the-papers-claims).")
 

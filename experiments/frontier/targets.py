@@ -1,6 +1,6 @@
 """Issue 14's targets, checked on whatever runs of the frontier study have landed.
 
-    python experiments/frontier/targets.py [--write]      # prints a Markdown table; --write: targets.md
+    python experiments/frontier/targets.py [--study DIR] [--write]   # prints a Markdown table; --write: targets.md
 
 Runs are grouped by the forward FLOPs they *measured* (closed form at the student's executed fractions on the
 held-out windows), not by their names: a run belongs to a level (0.90, 0.81, 0.72 of dense) when its mean FLOPs
@@ -336,21 +336,27 @@ def price_of_compute(runs, losses, variant) -> List[str]:
             "", "| run | FLOPs | nats per unit of FLOPs saved |", "|---|---|---|"] + rows
 
 
-def print_or_write(description: str, table: str, file_name: str, heading: str, about: str) -> str:
-    """The command line of this script and of ``claims.py``: print the table; ``--write`` also writes it to
-    ``file_name`` under a heading and a line saying how it was made (``about``)."""
+def print_or_write(description: str, make_table, file_name: str, heading: str, about: str) -> str:
+    """The command line of this script and of ``claims.py``: print ``make_table(study folder)``; ``--study DIR``
+    checks another study's runs (default: the frontier study); ``--write`` also writes the table to ``file_name``
+    in that folder under a heading and a line saying how it was made (``about``)."""
     parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--study", type=Path, default=HERE, help="study folder holding runs/ (default: %(default)s)")
     parser.add_argument("--write", action="store_true")
-    if parser.parse_args().write:
+    args = parser.parse_args()
+    if not (args.study / "runs").is_dir():
+        parser.error(f"--study {args.study}: no runs/ folder there (expected a study's out_dir)")
+    table = make_table(args.study)
+    if args.write:
         script = file_name.replace(".md", ".py")
-        (HERE / file_name).write_text(f"# {heading}\n\nWritten by `python experiments/frontier/{script} --write`; "
-                                      f"{about}\n\n{table}\n")
+        command = f"python experiments/frontier/{script}" + ("" if args.study == HERE else f" --study {args.study}")
+        (args.study / file_name).write_text(f"# {heading}\n\nWritten by `{command} --write`; {about}\n\n{table}\n")
     print(table)
     return table
 
 
 def main() -> str:
-    return print_or_write(__doc__.split("\n\n")[0], targets_table(HERE), "targets.md",
+    return print_or_write(__doc__.split("\n\n")[0], targets_table, "targets.md",
                           "Issue 14 targets on the runs so far", "student held-out loss per token, paired by seed.")
 
 
