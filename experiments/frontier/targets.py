@@ -50,7 +50,7 @@ _spec.loader.exec_module(study)
 
 LEVELS = ("0.90", "0.81", "0.72")  # fractions of dense forward FLOPs
 TOLERANCE = 0.03
-ROUTED = ("mod", "sdt", "stt")
+ROUTED = study.ROUTED_VARIANTS  # the variants that route tokens (mod, sdt, stt): one list, the driver's
 SEEDS_NEEDED = 3
 
 
