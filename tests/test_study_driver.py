@@ -369,11 +369,22 @@ def _load_frontier_script(name):
     return load_script(REPO / "experiments" / "frontier" / f"{name}.py", f"frontier_{name}")
 
 
+def _write_hand_made_runs(folder, table):
+    """``folder/runs/<name>__seed<k>.json`` for each ``name: (variant, FLOPs ratio, losses per seed[, teacher
+    losses per seed])``: just the fields targets.py reads."""
+    (folder / "runs").mkdir()
+    for name, (variant, ratio, losses, *teacher) in table.items():
+        for seed, loss in enumerate(losses):
+            heldout = {"student_loss": loss, "teacher_loss": teacher[0][seed] if teacher else None}
+            (folder / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
+                {"name": name, "seed": seed, "variant": variant, "compute": {"forward_flops_ratio": ratio},
+                 "heldout": heldout}))
+
+
 def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flops(tmp_path):
     # Hand-made run files at ≈ 0.81 of dense: per-seed losses chosen so each verdict is known in advance. The
     # baselines are compared at the candidate's own FLOPs, linear between the two baseline runs (or dense at
     # 1.0) that bracket them.
-    (tmp_path / "runs").mkdir()
     table = {  # name: (variant, FLOPs ratio, loss per seed[, teacher loss per seed])
         "dense": ("dense", 1.0, [4.0, 4.1, 4.2]),
         "layerdrop_7": ("layerdrop", 0.81, [4.5, 4.6, 4.7]),
@@ -399,12 +410,7 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
         # +0.02 from dense and below layer dropping, but above 0.90 of dense FLOPs: not eligible
         "stt_far": ("stt", 0.92, [4.02, 4.12, 4.22]),
     }
-    for name, (variant, ratio, losses, *teacher) in table.items():
-        for seed, loss in enumerate(losses):
-            heldout = {"student_loss": loss, "teacher_loss": teacher[0][seed] if teacher else None}
-            (tmp_path / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
-                {"name": name, "seed": seed, "variant": variant, "compute": {"forward_flops_ratio": ratio},
-                 "heldout": heldout}))
+    _write_hand_made_runs(tmp_path, table)
     targets = _load_frontier_script("targets")
     markdown = targets.targets_table(tmp_path)
     rows, rows_90 = {}, {}
@@ -478,14 +484,9 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
 def test_frontier_targets_check_another_study_folder_from_the_command_line(tmp_path):
     # `targets.py --study DIR --write` judges that study's runs (e.g. the 200-step budget study) and writes its
     # targets.md there, not into the frontier folder; a folder without runs/ is refused by name.
-    (tmp_path / "runs").mkdir()
-    for name, variant, ratio, losses in (("dense", "dense", 1.0, [4.00, 4.10, 4.20]),
-                                         ("layerdrop_4", "layerdrop", 0.893, [4.08, 4.18, 4.28]),
-                                         ("stt_x", "stt", 0.895, [4.07, 4.19, 4.27])):
-        for seed, loss in enumerate(losses):
-            (tmp_path / "runs" / f"{name}__seed{seed}.json").write_text(json.dumps(
-                {"name": name, "seed": seed, "variant": variant, "compute": {"forward_flops_ratio": ratio},
-                 "heldout": {"student_loss": loss}}))
+    _write_hand_made_runs(tmp_path, {"dense": ("dense", 1.0, [4.00, 4.10, 4.20]),
+                                     "layerdrop_4": ("layerdrop", 0.893, [4.08, 4.18, 4.28]),
+                                     "stt_x": ("stt", 0.895, [4.07, 4.19, 4.27])})
     frontier_table = (REPO / "experiments" / "frontier" / "targets.md").read_text()
     script = REPO / "experiments" / "frontier" / "targets.py"
     done = subprocess.run([sys.executable, str(script), "--study", str(tmp_path), "--write"], cwd=REPO,

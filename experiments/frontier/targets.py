@@ -354,7 +354,7 @@ def print_or_write(description: str, make_table, file_name: str, heading: str, a
     table = make_table(args.study)
     if args.write:
         script = file_name.replace(".md", ".py")
-        command = f"python experiments/frontier/{script}" + ("" if args.study == HERE else f" --study {args.study}")
+        command = f"python experiments/frontier/{script}" + ("" if args.study.resolve() == HERE else f" --study {args.study}")
         (args.study / file_name).write_text(f"# {heading}\n\nWritten by `{command} --write`; {about}\n\n{table}\n")
     print(table)
     return table
