@@ -508,6 +508,18 @@ def test_frontier_targets_check_another_study_folder_from_the_command_line(tmp_p
     assert refused.returncode == 2 and f"--study {tmp_path / 'nowhere'}: no runs/ folder there" in refused.stderr
 
 
+def test_frontier_pages_quote_the_default_study_without_study_however_its_path_is_spelt(tmp_path, monkeypatch):
+    # The written page quotes the command that regenerates it; a relative or roundabout path to the frontier
+    # folder is still the default study (no --study), while another folder is named as given.
+    targets = _load_frontier_script("targets")
+    frontier = REPO / "experiments" / "frontier"
+    monkeypatch.chdir(REPO)
+    for spelt in (frontier, Path("experiments/frontier"), Path("experiments/budget_cpu200/../frontier/")):
+        assert targets.command_line("claims.py", spelt) == "python experiments/frontier/claims.py"
+    assert (targets.command_line("targets.py", Path("experiments/budget_cpu200"))
+            == "python experiments/frontier/targets.py --study experiments/budget_cpu200")
+
+
 def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
     # Hand-made run files whose curves and held-out reports are chosen so each claim's verdict is known.
     (tmp_path / "runs").mkdir()

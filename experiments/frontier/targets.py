@@ -341,6 +341,12 @@ def price_of_compute(runs, losses, variant) -> List[str]:
             "", "| run | FLOPs | nats per unit of FLOPs saved |", "|---|---|---|"] + rows
 
 
+def command_line(script: str, study: Path) -> str:
+    """The command that regenerates ``script``'s table for ``study``, as the written page quotes it: the frontier
+    study is the default, so it needs no ``--study``, however the path to it was spelt (``./``, ``..``, absolute)."""
+    return f"python experiments/frontier/{script}" + ("" if study.resolve() == HERE else f" --study {study}")
+
+
 def print_or_write(description: str, make_table, file_name: str, heading: str, about: str) -> str:
     """The command line of this script and of ``claims.py``: print ``make_table(study folder)``; ``--study DIR``
     checks another study's runs (default: the frontier study); ``--write`` also writes the table to ``file_name``
@@ -353,8 +359,7 @@ def print_or_write(description: str, make_table, file_name: str, heading: str, a
         parser.error(f"--study {args.study}: no runs/ folder there (expected a study's out_dir)")
     table = make_table(args.study)
     if args.write:
-        script = file_name.replace(".md", ".py")
-        command = f"python experiments/frontier/{script}" + ("" if args.study.resolve() == HERE else f" --study {args.study}")
+        command = command_line(file_name.replace(".md", ".py"), args.study)
         (args.study / file_name).write_text(f"# {heading}\n\nWritten by `{command} --write`; {about}\n\n{table}\n")
     print(table)
     return table
