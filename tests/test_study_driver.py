@@ -508,7 +508,7 @@ def test_frontier_targets_check_another_study_folder_from_the_command_line(tmp_p
     assert refused.returncode == 2 and f"--study {tmp_path / 'nowhere'}: no runs/ folder there" in refused.stderr
 
 
-def test_frontier_pages_quote_the_default_study_without_study_however_its_path_is_spelt(tmp_path, monkeypatch):
+def test_frontier_pages_quote_the_default_study_without_study_however_its_path_is_spelt(monkeypatch):
     # The written page quotes the command that regenerates it; a relative or roundabout path to the frontier
     # folder is still the default study (no --study), while another folder is named as given.
     targets = _load_frontier_script("targets")
