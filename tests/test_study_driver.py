@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import load_script
 from tests.test_recipe import train_assets  # noqa: F401,E402  (session fixture)
@@ -645,7 +646,12 @@ def test_runs_from_takes_another_studys_definitions_by_name_and_rejects_unknown_
     frontier = {run["name"]: run for run in study.load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)["runs"]}
     for name in ("budget_h100/study.yaml", "budget_h100/anchor60.yaml", "budget_cpu200/study.yaml"):
         spec = study.load_study(REPO / "experiments" / name, root=REPO)
-        assert spec["runs"] and all(run == frontier[run["name"]] for run in spec["runs"])
+        # a run of the frontier's name is the frontier's run; others are the study's own (its `runs:` list),
+        # runs that only exist at that budget
+        own = {run["name"] for run in yaml.safe_load((REPO / "experiments" / name).read_text()).get("runs") or []}
+        assert own.isdisjoint(frontier), f"{name} redefines frontier runs {sorted(own & set(frontier))}"
+        assert spec["runs"] and all(run == frontier[run["name"]] for run in spec["runs"] if run["name"] not in own)
+        assert {run["name"] for run in spec["runs"]} - own <= set(frontier)
 
 
 def test_frontier_queue_lists_every_run_and_seed_of_the_study_and_nothing_else():
