@@ -110,6 +110,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -356,10 +357,14 @@ def _read_attempts(logs_dir: Path) -> List[Dict[str, Any]]:
 
 
 def _write_json(path: Path, data: Any, text: Optional[str] = None) -> None:
+    """Atomic write. The temporary file's name is unique to this call: workers of one study started side by side
+    each write the same ``study.json``, and with one shared temporary name the second rename found it gone."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text if text is not None else json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name + ".", suffix=".tmp",
+                                     delete=False) as tmp:
+        tmp.write(text if text is not None else json.dumps(data, indent=1))
+    os.chmod(tmp.name, 0o644)  # what a plain write gives, not the temporary file's private 0600
+    os.replace(tmp.name, path)
 
 
 def _run_logged(command: List[str], log_file: Path, cwd: Path, env: Dict[str, str]) -> Tuple[int, float]:

@@ -274,6 +274,28 @@ def test_done_needs_marker_and_checkpoint_and_schedule_divides_steps(tmp_path):
     assert [study.schedule_every(s, 4) for s in (1, 2, 3, 40, 100, 200, 7)] == [1, 1, 1, 10, 25, 50, 7]
 
 
+def test_two_workers_writing_study_json_at_once_both_succeed(tmp_path, monkeypatch):
+    # Workers of one study started side by side both write study.json. Here the second worker writes the whole
+    # file between the first one's write and its rename (the interleaving that killed a real worker when both
+    # used one temporary name): both writes must land, the last rename's content wins, and no temporary is left.
+    study = load_driver()
+    target = tmp_path / "study.json"
+    real_replace = os.replace
+    interleaved = []
+
+    def replace_after_the_other_worker(src, dst):
+        if not interleaved:
+            interleaved.append(src)
+            study._write_json(target, {"worker": 2})
+        real_replace(src, dst)
+
+    monkeypatch.setattr(study.os, "replace", replace_after_the_other_worker)
+    study._write_json(target, {"worker": 1})
+    assert interleaved and json.loads(target.read_text()) == {"worker": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.json"]
+    assert target.stat().st_mode & 0o777 == 0o644
+
+
 def test_paired_t_interval_and_parsed_logs_and_tables_equal_hand_values(tmp_path):
     study = load_driver()
     pd = study.paired_difference([1.0, 2.0, 3.0])
