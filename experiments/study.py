@@ -110,7 +110,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -357,14 +356,12 @@ def _read_attempts(logs_dir: Path) -> List[Dict[str, Any]]:
 
 
 def _write_json(path: Path, data: Any, text: Optional[str] = None) -> None:
-    """Atomic write. The temporary file's name is unique to this call: workers of one study started side by side
-    each write the same ``study.json``, and with one shared temporary name the second rename found it gone."""
+    """Atomic write with a temporary name of its own: workers of one study started side by side each write the
+    same ``study.json``, and with one shared temporary name the second rename found it gone."""
+    from torchtune_dtf.offline.tokenizer_assets import atomic_write_text
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name + ".", suffix=".tmp",
-                                     delete=False) as tmp:
-        tmp.write(text if text is not None else json.dumps(data, indent=1))
-    os.chmod(tmp.name, 0o644)  # what a plain write gives, not the temporary file's private 0600
-    os.replace(tmp.name, path)
+    atomic_write_text(path, text if text is not None else json.dumps(data, indent=1))
 
 
 def _run_logged(command: List[str], log_file: Path, cwd: Path, env: Dict[str, str]) -> Tuple[int, float]:

@@ -289,8 +289,12 @@ def test_two_workers_writing_study_json_at_once_both_succeed(tmp_path, monkeypat
             study._write_json(target, {"worker": 2})
         real_replace(src, dst)
 
-    monkeypatch.setattr(study.os, "replace", replace_after_the_other_worker)
-    study._write_json(target, {"worker": 1})
+    monkeypatch.setattr(os, "replace", replace_after_the_other_worker)
+    umask = os.umask(0o022)  # the file gets a plain write's mode, whatever the shell's umask
+    try:
+        study._write_json(target, {"worker": 1})
+    finally:
+        os.umask(umask)
     assert interleaved and json.loads(target.read_text()) == {"worker": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["study.json"]
     assert target.stat().st_mode & 0o777 == 0o644

@@ -161,8 +161,9 @@ def _file_digest(path: PathLike) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to a unique temporary file beside ``path``, then rename it over ``path``."""
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to a unique temporary file beside ``path``, then rename it over ``path``: writers of the same
+    file side by side (tokenizer preparation, experiments/study.py's workers) never share a temporary name."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -203,9 +204,9 @@ def write_qwen2_5_tokenizer_files(
         except ValueError:
             pass
     vocab, merges = convert_tiktoken_ranks(load_tiktoken_ranks(source))
-    _atomic_write(vocab_path, json.dumps(vocab, ensure_ascii=False))
-    _atomic_write(merges_path, "#version: 0.2\n" + "\n".join(merges) + "\n")
-    _atomic_write(stamp_path, json.dumps(stamp, indent=1))
+    atomic_write_text(vocab_path, json.dumps(vocab, ensure_ascii=False))
+    atomic_write_text(merges_path, "#version: 0.2\n" + "\n".join(merges) + "\n")
+    atomic_write_text(stamp_path, json.dumps(stamp, indent=1))
     return vocab_path, merges_path
 
 
