@@ -38,6 +38,7 @@ not carry the teacher's fractions. A last table puts every routed run against la
 """
 
 import argparse
+import functools
 import importlib.util
 import math
 import statistics
@@ -178,18 +179,24 @@ def targets_table(out_dir: Path) -> str:
     families = {kind: [n for n in losses if variant[n] in (kind, "dense")] for kind in ("layerdrop", "random")}
     families = {kind: members for kind, members in families.items() if any(variant[n] == kind for n in members)}
 
+    @functools.lru_cache(maxsize=None)
+    def student_vs(name, kind):
+        """The run's student − the ``kind`` family at its FLOPs (paired by seed), the line's label, and the family's
+        per-seed losses there; computed once per (run, family) for the ranking, the verdicts and the tables."""
+        baseline, where = matched(name, families[kind], runs, losses)
+        return paired(losses[name], baseline), where, baseline
+
     def margin(name):  # mean over seeds of student − layer dropping at the run's FLOPs
         if "layerdrop" not in families:
             return statistics.fmean(losses[name].values())
-        baseline, _ = matched(name, families["layerdrop"], runs, losses)
-        pd = paired(losses[name], baseline)
+        pd = student_vs(name, "layerdrop")[0]
         return pd["mean"] if pd["n"] else math.inf
 
     def beats_both_baselines(name):  # target 1 met against layer dropping and random routing, three seeds
         for kind in ("layerdrop", "random"):
             if kind not in families:
                 return False
-            pd = paired(losses[name], matched(name, families[kind], runs, losses)[0])
+            pd = student_vs(name, kind)[0]
             if pd["n"] < SEEDS_NEEDED or not lower_by_two_se(pd):
                 return False
         return True
@@ -213,8 +220,7 @@ def targets_table(out_dir: Path) -> str:
                     lines.append(f"| {level} | {label} < {name} at its FLOPs by > 2 se | {candidate} | no {kind} run yet "
                                  "| not yet |")
                     continue
-                baseline, where = matched(candidate, families[kind], runs, losses)
-                pd = paired(losses[candidate], baseline)
+                pd, where, baseline = student_vs(candidate, kind)
                 ok = lower_by_two_se(pd)
                 lines.append(f"| {level} | {label} < {name} at its FLOPs by > 2 se | {candidate} − {name} {where} "
                              f"| {fmt(pd)} | {verdict(ok, pd['n'])} |")
@@ -277,8 +283,7 @@ def targets_table(out_dir: Path) -> str:
                   "|---|---|---|---|---|"]
         routed_all = sorted((n for n in losses if variant[n] in ROUTED), key=lambda n: -flops_ratio(runs[n]))
         for name in routed_all:
-            baseline, _ = matched(name, families["layerdrop"], runs, losses)
-            student = fmt(paired(losses[name], baseline))
+            student = fmt(student_vs(name, "layerdrop")[0])
             teacher, teacher_at = "–", "–"
             at = teacher_flops_by_seed(runs[name])
             if teacher_losses[name] and at:
