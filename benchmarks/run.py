@@ -473,6 +473,8 @@ def restore_caches(model, snapshot, batch: int, max_len: int) -> None:
                 src = src.narrow(entry_dim, 0, src.shape[entry_dim] - 1)
                 buf = buf.narrow(entry_dim, 0, src.shape[entry_dim])
             buf.copy_(src)  # broadcasts the single row over the batch
+        if selective:
+            cache._fill_bound = int(cache.fill.max())  # the copied rows' fill, as the cache's host-side bound
 
 
 def kv_accounting(model, records, shape: cf.ModelShape, context: int) -> Dict:
@@ -640,7 +642,7 @@ def section_overhead(size: str, plan: Dict, dense) -> Dict:
                 positions = token_positions(None, batch, T, 0, x.device)
                 starts = sequence_starts(positions, None, 0)
                 logits = layer.student_logits(x, starts, None)
-                selection = layer.student_selection(logits, starts, None)
+                selection = layer.student_selection(logits, starts, None, single_sequence=True)
                 gate = layer.student_gate(x)
                 k = selection.num_selected
                 update = torch.randn(batch, k, shape.embed_dim)
@@ -659,7 +661,7 @@ def section_overhead(size: str, plan: Dict, dense) -> Dict:
                     "routed_layer": lambda: layer(x),
                     "block_on_k_tokens": lambda: dense_layer(x[:, :k]),
                     "router": router,
-                    "selection": lambda: layer.student_selection(logits, starts, None),
+                    "selection": lambda: layer.student_selection(logits, starts, None, single_sequence=True),
                     "gather": lambda: (gather_tokens(x, query_index), gather_tokens(positions, query_index)),
                     "scatter+gate": lambda: scatter_updates(
                         x, selection, update if gate is None else update * gather_tokens(gate, query_index)[..., None]),
@@ -689,7 +691,7 @@ def naive_layer_forward(layer, x, *, mask=None, input_pos=None, routing=None, **
     the update is masked afterwards (skipped tokens still cost full compute and are keys/values)."""
     batch, seq_len, _ = x.shape
     starts = sequence_starts(token_positions(input_pos, batch, seq_len, 0, x.device), mask, 0)
-    selection = layer.student_selection(layer.student_logits(x, starts, None), starts, None, analysis=True)
+    selection = layer.student_selection(layer.student_logits(x, starts, None), starts, None, single_sequence=True, analysis=True)
     gate = layer.student_gate(x)
     update = TransformerSelfAttentionLayer.forward(layer, x, mask=mask, input_pos=input_pos) - x
     if gate is not None:

@@ -232,7 +232,7 @@ def record_routed_calls(model):
                 lambda mod, args, kwargs: mask_batches.append(kwargs["mask"].shape[0]), with_kwargs=True))
             handles.append(layer.register_forward_hook(
                 lambda mod, args, kwargs, out: decisions.setdefault(mod.layer_idx, []).append(
-                    kwargs["routing"].layers[mod.layer_idx].selected_mask.clone()),
+                    kwargs["routing"].record_of(mod.layer_idx).selected_mask.clone()),
                 with_kwargs=True))
     return mask_batches, decisions, handles
 

@@ -451,7 +451,7 @@ def test_stock_eval_wrapper_runs_student_routing_with_selective_cache(workdir, q
     decisions = {}
     for layer in routed:
         layer.register_forward_hook(
-            lambda mod, args, kwargs, out: decisions.__setitem__(mod.layer_idx, kwargs["routing"].layers[mod.layer_idx].selected_mask),
+            lambda mod, args, kwargs, out: decisions.__setitem__(mod.layer_idx, kwargs["routing"].record_of(mod.layer_idx).selected_mask),
             with_kwargs=True,
         )
     from torchtune.generation import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
@@ -497,7 +497,7 @@ def test_stock_eval_wrapper_generates_unpadded_short_batch_like_each_row_alone(w
                 lambda mod, args, kwargs: calls[mod.layer_idx].append([kwargs["mask"].shape[0]]), with_kwargs=True))
             handles.append(layer.register_forward_hook(
                 lambda mod, args, kwargs, out: calls[mod.layer_idx][-1].extend(
-                    [kwargs["routing"].layers[mod.layer_idx].selected_mask.clone(), out.clone()]),
+                    [kwargs["routing"].record_of(mod.layer_idx).selected_mask.clone(), out.clone()]),
                 with_kwargs=True))
         try:
             out = wrapper._model_generate(tokens, temperature=0.0, do_sample=False)
@@ -666,6 +666,22 @@ def test_tune_run_routed_generate_prints_executed_fractions(workdir, qwen_tokeni
     assert all(0 < executed < seen for executed, seen in expected.values()), "all or no tokens ran: proves nothing"
     assert fractions == {idx: round(executed / seen, 4) for idx, (executed, seen) in expected.items()}
     assert mean == pytest.approx(sum(e / s for e, s in expected.values()) / len(expected), abs=1e-4)
+
+
+def test_tune_run_routed_generate_with_compile_decodes_the_same_tokens(workdir, monkeypatch):
+    # compile: True decodes with one compiled step over static selective caches; aot_eager traces what
+    # inductor would compile without C++ codegen, so the check stays quick.
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", "aot_eager")
+    recipe, config_path = "torchtune_dtf/recipes/routed_generate.py", str(CONFIGS / "generate_stt.yaml")
+    eager = _output(run_tune(workdir, recipe, "--config", config_path))
+    proc = run_tune(workdir, recipe, "--config", config_path, "compile=True")
+    out = _output(proc)
+    assert proc.returncode == 0, out[-5000:]
+    assert "decoding with one compiled step over static KV caches" in out
+    assert "decoding with one compiled step" not in eager
+    completion = re.escape("What do routed tokens save?" + CHAIN_TEXT) + r"<\|endoftext\|>\n"
+    assert re.search(completion, out), out[-3000:]
+    assert _printed_routing(out) == _printed_routing(eager)
 
 
 def test_tune_run_routed_eval_prints_and_saves_executed_fractions(workdir):

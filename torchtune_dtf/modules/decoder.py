@@ -61,17 +61,37 @@ class RoutedTransformerDecoder(TransformerDecoder):
             tokens.shape[1], mask=mask, encoder_input=encoder_input, encoder_mask=encoder_mask, input_pos=input_pos
         )
         routing = routing if routing is not None else RoutingContext(mode="student")
+        self._make_room_in_selective_caches(tokens.shape[1])
         h = self.tok_embeddings(tokens)
         hidden = []
         for i, layer in enumerate(self.layers):
             if i in self.output_hidden_states:
                 hidden.append(h)
             if i in self._routing_layers:
-                h = layer(h, mask=mask, input_pos=input_pos, routing=routing)
+                layer_routing = routing.for_layer(i, h.device)
+                h = layer(h, mask=mask, input_pos=input_pos, routing=layer_routing)
+                routing.absorb(i, layer_routing)
             else:
                 h = layer(h, mask=mask, encoder_input=encoder_input, encoder_mask=encoder_mask, input_pos=input_pos)
         output = self.unembed(h)
         return output if not hidden else [*hidden, output]
+
+    def use_static_kv_caches(self, enabled: bool = True) -> None:
+        """Make the selective caches that :meth:`setup_caches` creates from now on static: ``max_seq_len``
+        entries per row, no growth, no host-side bookkeeping (the gpt-fast pattern), so a compiled decode
+        step keeps one graph of fixed shapes. Memory per routed layer is then the dense layer's; the
+        default (growing) caches hold what runs. Call before ``setup_caches``."""
+        for layer in self.routed_layers():
+            layer.static_kv_cache = enabled
+
+    def _make_room_in_selective_caches(self, seq_len: int) -> None:
+        """Before a cached forward of ``seq_len`` tokens per row, let every routed layer's cache grow if a
+        row might overflow it. Host-side decisions about allocation happen here, outside the layers, so a
+        compiled layer never reads cache state back from the device (see ``SelectiveKVCache.make_room``)."""
+        for layer in self.routed_layers():
+            cache = layer.attn.kv_cache
+            if cache is not None and layer.attn.cache_enabled:
+                cache.make_room(seq_len)
 
     def chunked_output(self, last_hidden_state: torch.Tensor) -> List[torch.Tensor]:
         """The output projection as torchtune's chunks (``torch.chunk`` along the sequence, for
@@ -110,8 +130,11 @@ class RoutedTransformerDecoder(TransformerDecoder):
     def routed_layers(self) -> List[RoutedSelfAttentionLayer]:
         """Routed layers in layer order, found through wrappers applied after the build (activation
         checkpointing, compile, FSDP keep the layer as a submodule or subclass it)."""
-        layers = [module for module in self.modules() if isinstance(module, RoutedSelfAttentionLayer)]
-        return sorted(layers, key=lambda layer: layer.layer_idx)
+        # Found once: the layer objects never change after the build (wrappers only enclose them).
+        if getattr(self, "_routed_layer_list", None) is None:
+            layers = [module for module in self.modules() if isinstance(module, RoutedSelfAttentionLayer)]
+            self._routed_layer_list = sorted(layers, key=lambda layer: layer.layer_idx)
+        return self._routed_layer_list
 
     def routing_counters(self) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
         """Per routed layer, ``(executed, seen)`` token counts of student-mode forwards since the last

@@ -22,7 +22,13 @@ from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias
 from torchtune_dtf.modules.routed_block import routed_block_forward
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, previous_token_states
 from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
-from torchtune_dtf.modules.selection import Selection, batch_topk_rows, mask_selection, segment_topk_selection
+from torchtune_dtf.modules.selection import (
+    Selection,
+    batch_topk_selection,
+    mask_selection,
+    row_selection,
+    segment_topk_selection,
+)
 from torchtune_dtf.modules.selective_kv_cache import SelectiveKVCache
 from torchtune_dtf.modules.surprise import (
     PredictiveRouter,
@@ -52,10 +58,11 @@ SKIP_UPDATES = ("none", "predicted", "bias")
 
 
 def token_positions(
-    input_pos: Optional[torch.Tensor], batch: int, seq_len: int, offset: int, device: torch.device
+    input_pos: Optional[torch.Tensor], batch: int, seq_len: int, offset, device: torch.device
 ) -> torch.Tensor:
     """Position ids ``[b, s]`` from torchtune's ``input_pos`` (``None``, ``[s]``, ``[b]`` when decoding
-    one token, or ``[b, s]``)."""
+    one token, or ``[b, s]``). ``offset`` (an int, or the cache's 0-dim ``seen`` tensor, never read back to
+    the host) is the layout slot of the chunk's first token."""
     if input_pos is None:
         return (offset + torch.arange(seq_len, device=device)).expand(batch, seq_len)
     if input_pos.dim() <= 1:
@@ -63,7 +70,7 @@ def token_positions(
     return input_pos.expand(batch, seq_len)
 
 
-def sequence_starts(positions: torch.Tensor, mask: Optional[torch.Tensor], offset: int) -> torch.Tensor:
+def sequence_starts(positions: torch.Tensor, mask: Optional[torch.Tensor], offset) -> torch.Tensor:
     """``[b, s]`` bool: True where a token begins a sequence and so has no predecessor.
 
     A token starts a sequence when its position id is 0, or when the attention mask does not let it see
@@ -73,7 +80,7 @@ def sequence_starts(positions: torch.Tensor, mask: Optional[torch.Tensor], offse
     Args:
         positions (torch.Tensor): ``[b, s]`` position ids.
         mask (Optional[torch.Tensor]): ``[b, s, L]`` boolean mask over layout slots, or None.
-        offset (int): layout slot of the chunk's first token (tokens already in the cache).
+        offset (int or 0-dim tensor): layout slot of the chunk's first token (tokens already in the cache).
     """
     starts = positions == 0
     if mask is None:
@@ -164,6 +171,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         # checkpoint (non-persistent).
         self.register_buffer("routed_tokens_seen", None, persistent=False)
         self.register_buffer("routed_tokens_executed", None, persistent=False)
+        #: Caches made by :meth:`setup_caches` are static (full size, no host reads); see there.
+        self.static_kv_cache = False
 
     # -- caches ---------------------------------------------------------------------------------
     def setup_caches(
@@ -172,7 +181,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         """Give this layer a :class:`SelectiveKVCache` instead of torchtune's shared-position cache.
 
         The cache starts with room for ⌈γ·max_seq_len⌉ entries per row, what this layer runs at its
-        configured capacity, and grows only if a row executes more (threshold students can)."""
+        configured capacity, and grows only if a row executes more (threshold students can). With
+        ``static_kv_cache`` (set by :meth:`RoutedTransformerDecoder.use_static_kv_caches`, for compiled
+        decoding) it holds ``max_seq_len`` entries from the start and never reads fill levels back."""
         attn = self.attn
         attn.kv_cache = SelectiveKVCache(
             batch_size=batch_size,
@@ -184,6 +195,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             initial_entries=(
                 decoder_max_seq_len if self.skipped_tokens_write_kv else max(1, math.ceil(self.capacity * decoder_max_seq_len))
             ),
+            static=self.static_kv_cache,
         )
         attn.cache_enabled = True
 
@@ -253,12 +265,22 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         """Causal router logits ``[b, s]`` (fp32) from detached inputs (the student never trains the backbone)."""
         return self.causal_router(x.detach(), starts, None if cache is None else cache.last_input)
 
-    def topk_by_sequence(self, scores: torch.Tensor, starts: torch.Tensor, capacity: Optional[float] = None) -> Selection:
+    def topk_by_sequence(
+        self,
+        scores: torch.Tensor,
+        starts: torch.Tensor,
+        capacity: Optional[float] = None,
+        *,
+        single_sequence: bool,
+    ) -> Selection:
         """Per-sequence top-k of ``scores [b, s]`` at ``capacity`` (the layer's γ when None); with
-        ``always_run_first_token`` each sequence's first token is taken first, inside the budget."""
+        ``always_run_first_token`` each sequence's first token is taken first, inside the budget.
+        ``single_sequence``: every row is one sequence (the forward got neither a mask nor position ids),
+        known without looking at the data."""
         if self.always_run_first_token:
             scores = scores.masked_fill(starts, math.inf)
-        return segment_topk_selection(scores, starts, self.capacity if capacity is None else capacity)
+        capacity = self.capacity if capacity is None else capacity
+        return segment_topk_selection(scores, starts, capacity, single_sequence=single_sequence)
 
     def by_threshold(self, selected: torch.Tensor, starts: torch.Tensor) -> Selection:
         return mask_selection(selected | starts if self.always_run_first_token else selected)
@@ -269,14 +291,22 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         starts: torch.Tensor,
         cache: Optional[SelectiveKVCache],
         *,
+        single_sequence: bool,
         analysis: bool = False,
     ) -> Selection:
         """What the deployed student runs. ``analysis=True`` (teacher–student agreement during training)
-        permits the non-causal whole-sequence top-k that is otherwise refused."""
+        permits the non-causal whole-sequence top-k that is otherwise refused.
+
+        A decode step (a cache and one token per row) selects rows: the top ⌊γ·b⌋ in top-k mode (static,
+        no host read), those over the threshold in threshold mode (one host read)."""
+        decoding = cache is not None and logits.shape[1] == 1
         if self.student_routing_mode == "threshold":
+            if decoding:
+                selected = logits > self.student_logit_threshold
+                return row_selection(selected | starts if self.always_run_first_token else selected)
             return self.by_threshold(logits > self.student_logit_threshold, starts)
-        if cache is not None and logits.shape[1] == 1:
-            return mask_selection(batch_topk_rows(logits[:, 0], self.capacity))
+        if decoding:
+            return batch_topk_selection(logits[:, 0], self.capacity)
         if cache is None and not (analysis or self.allow_noncausal_student_topk):
             raise ValueError(
                 f"Routed layer {self.layer_idx}: student_routing_mode='topk' on a whole sequence without a "
@@ -284,10 +314,10 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 "tokens), so it cannot score log-likelihoods. Use student_routing_mode='threshold' for "
                 "evaluation, or set allow_noncausal_student_topk: True for an explicit analysis."
             )
-        return self.topk_by_sequence(logits, starts)
+        return self.topk_by_sequence(logits, starts, single_sequence=single_sequence)
 
     def teacher_route(
-        self, x, *, mask, input_pos, positions, starts, routing: RoutingContext, record: LayerRouting
+        self, x, *, mask, input_pos, positions, starts, single_sequence, routing: RoutingContext, record: LayerRouting
     ) -> Tuple[Selection, Optional[torch.Tensor]]:
         """Variant-specific teacher decision: (selection, gate ``[b, s]``). Fills ``record``."""
         raise NotImplementedError
@@ -335,7 +365,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             if self._active_cache() is not None:
                 raise RuntimeError("Dense routing mode runs the stock block, which cannot use the selective KV cache")
             out = _dense_forward(self, x, mask, input_pos)
-            routing.layers[self.layer_idx] = LayerRouting(selected_mask=torch.ones(batch, seq_len, dtype=torch.bool, device=x.device))
+            routing.file_record(self, LayerRouting(selected_mask=torch.ones(batch, seq_len, dtype=torch.bool, device=x.device)))
             return out
         if mask is not None:
             if not isinstance(mask, torch.Tensor):
@@ -346,7 +376,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             if mask.shape[0] != batch:
                 mask = mask.expand(batch, -1, -1)
         cache = self._active_cache()
-        offset = 0 if cache is None else int(cache.seen)
+        offset = 0 if cache is None else cache.seen  # a device tensor: never read back to the host
+        # Known from the arguments alone: with neither a mask nor position ids every row is one sequence.
+        single_sequence = mask is None and input_pos is None
         positions = token_positions(input_pos, batch, seq_len, offset, x.device)
         starts = sequence_starts(positions, mask, offset)
         logits = self.student_logits(x, starts, cache)
@@ -356,19 +388,20 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             if cache is not None:
                 raise RuntimeError("Teacher routing is for training; disable or delete the KV caches first")
             selection, gate = self.teacher_route(
-                x, mask=mask, input_pos=input_pos, positions=positions, starts=starts, routing=routing, record=record
+                x, mask=mask, input_pos=input_pos, positions=positions, starts=starts,
+                single_sequence=single_sequence, routing=routing, record=record,
             )
             record.teacher_mask = selection.mask
             if self.causal_router is not None:
                 record.causal_loss = F.binary_cross_entropy_with_logits(logits, selection.mask.float())
             with torch.no_grad():  # what the student runs, for agreement metrics and scheduled sampling
-                student = self.student_selection(logits, starts, None, analysis=True)
+                student = self.student_selection(logits, starts, None, single_sequence=single_sequence, analysis=True)
             record.student_mask = student.mask
             if routing.execute == "student":
                 selection = student
             gate = self.training_gate(gate)
         else:
-            selection = self.student_selection(logits, starts, cache)
+            selection = self.student_selection(logits, starts, cache, single_sequence=single_sequence)
             gate = self.student_gate(x)
 
         out = routed_block_forward(
@@ -395,7 +428,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         if routing.mode == "student":  # the deployed router only (see routing_counts)
             self._count_student(selection.mask)
         record.selected_mask = selection.mask
-        routing.layers[self.layer_idx] = record
+        routing.file_record(self, record)
         return out
 
 
@@ -411,10 +444,11 @@ class MoDLayer(RoutedSelfAttentionLayer):
         super().__init__(attn, mlp, **kwargs)
         self.mod_router = mod_router
 
-    def teacher_route(self, x, *, mask, input_pos, positions, starts, routing, record):
+    def teacher_route(self, x, *, mask, input_pos, positions, starts, single_sequence, routing, record):
         scores = self.mod_router(x)
         record.router_logits = scores
-        return self.topk_by_sequence(scores, starts, routing.capacity(self.capacity)), torch.sigmoid(scores)
+        selection = self.topk_by_sequence(scores, starts, routing.capacity(self.capacity), single_sequence=single_sequence)
+        return selection, torch.sigmoid(scores)
 
     def student_gate(self, x):
         # The MoD router is per-token, hence causal: its gate is available at inference too.
@@ -451,8 +485,9 @@ class RandomRoutedLayer(RoutedSelfAttentionLayer):
         u = torch.rand(x.shape[:2], device=x.device, dtype=torch.float32).clamp(min=1e-12, max=1 - 1e-7)
         return torch.log(u) - torch.log1p(-u)
 
-    def teacher_route(self, x, *, mask, input_pos, positions, starts, routing, record):
-        return self.topk_by_sequence(record.student_logits, starts, routing.capacity(self.capacity)), None
+    def teacher_route(self, x, *, mask, input_pos, positions, starts, single_sequence, routing, record):
+        capacity = routing.capacity(self.capacity)
+        return self.topk_by_sequence(record.student_logits, starts, capacity, single_sequence=single_sequence), None
 
 
 class DroppedLayer(TransformerSelfAttentionLayer):
@@ -501,7 +536,7 @@ class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):
         """(true residual Δx without gradient, predicted residual Δx̂), each ``[b, s, d]``."""
         raise NotImplementedError
 
-    def teacher_route(self, x, *, mask, input_pos, positions, starts, routing, record):
+    def teacher_route(self, x, *, mask, input_pos, positions, starts, single_sequence, routing, record):
         beta_ce, beta_cu = routing.betas()
         delta, predicted = self.residuals(x, mask=mask, input_pos=input_pos, starts=starts, routing=routing)
         d_st = static_surprise(delta)
@@ -509,7 +544,8 @@ class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):
         surprise = self.predictive_router(d_st, d_ch, beta_ce, beta_cu, starts)
         # Rank by the non-saturating score, never by g itself (docs/design.md R1); g stays the gate.
         if self.teacher_selection == "topk":
-            selection = self.topk_by_sequence(surprise.score, starts, routing.capacity(self.capacity))
+            capacity = routing.capacity(self.capacity)
+            selection = self.topk_by_sequence(surprise.score, starts, capacity, single_sequence=single_sequence)
         else:
             selection = self.by_threshold(surprise.score >= self._gate_threshold_score, starts)
         record.score = surprise.score
@@ -558,12 +594,13 @@ class SDTDynamicLayer(_SurpriseRoutedLayer):
     preceding :class:`SDTDecisionLayer` produced."""
 
     def residuals(self, x, *, mask, input_pos, starts, routing):
-        if self.layer_idx not in routing.decision_states:
+        states = routing.states_from_previous_layer(self)
+        if states is None:
             raise RuntimeError(
                 f"SDT Dynamic layer {self.layer_idx} found no Decision-layer states; layer {self.layer_idx - 1} "
                 "must be an SDTDecisionLayer run with the same RoutingContext"
             )
-        return routing.decision_states[self.layer_idx]
+        return states
 
 
 class SDTDecisionLayer(TransformerSelfAttentionLayer):
@@ -595,5 +632,5 @@ class SDTDecisionLayer(TransformerSelfAttentionLayer):
         out = super().forward(x, mask=mask, input_pos=input_pos)
         if routing is not None and routing.mode == "teacher":
             delta = (out - x).detach()
-            routing.decision_states[self.layer_idx + 1] = (delta, self.prior_ffn(x.detach()))
+            routing.hand_to_next_layer(self, (delta, self.prior_ffn(x.detach())))
         return out

@@ -111,23 +111,14 @@ def routed_block_forward(
     Returns:
         torch.Tensor: ``[b, s, d]`` layer output.
     """
-    batch = x.shape[0]
     if skipped_tokens_write_kv:
         return _forward_with_all_keys(layer, x, selection, gate, positions=positions, mask=mask, cache=cache)
     if selection.num_selected == 0:
         return x
-    rows = None
-    if cache is not None and selection.valid is not None:
-        # Decoding: rows that run nothing this step are left out of the computation entirely.
-        row_runs = selection.valid.any(dim=-1)
-        if not bool(row_runs.all()):
-            rows = torch.nonzero(row_runs).squeeze(-1)
-            valid = selection.valid[rows]
-            selection = Selection(
-                positions=selection.positions[rows],
-                valid=None if bool(valid.all()) else valid,
-                mask=selection.mask[rows],
-            )
+    # Decoding: rows that run nothing this step are left out of the computation entirely.
+    rows = selection.rows
+    if rows is not None and rows.shape[0] == 0:
+        return x
     x_rows = x if rows is None else x[rows]
     positions = positions if rows is None else positions[rows]
     mask = mask if (rows is None or mask is None) else mask[rows]
@@ -142,9 +133,9 @@ def routed_block_forward(
 
     attn_mask, is_causal = None, False
     if cache is not None:
-        row_ids = torch.arange(batch, device=x.device) if rows is None else rows
+        row_ids = torch.arange(x.shape[0], device=x.device) if rows is None else rows
         query_slots = cache.seen + query_index
-        cache.append(row_ids, key, value, query_slots, valid if valid is not None else torch.ones_like(query_slots, dtype=torch.bool))
+        cache.append(row_ids, key, value, query_slots, valid)
         key, value, key_slots, key_valid = cache.entries(row_ids)
         attn_mask = _attention_mask(mask, query_index, query_slots, key_slots, key_valid)
     elif mask is None and valid is None:
@@ -177,18 +168,29 @@ def _forward_with_all_keys(
     slots = torch.arange(seq_len, device=x.device).expand(batch, seq_len)
     key_valid = None
     if cache is not None:
-        rows = torch.arange(batch, device=x.device)
+        all_rows = torch.arange(batch, device=x.device)
         slots = cache.seen + slots
-        cache.append(rows, key, value, slots, torch.ones_like(slots, dtype=torch.bool))
-        key, value, slots, key_valid = cache.entries(rows)
+        cache.append(all_rows, key, value, slots)
     if selection.num_selected == 0:
         return x
+    rows = selection.rows
+    if rows is not None:  # decoding: queries, MLP and update of the rows that run only
+        if rows.shape[0] == 0:
+            return x
+        x_rows, h_rows, positions = x[rows], h_all[rows], positions[rows]
+        mask = None if mask is None else mask[rows]
+        gate = None if gate is None else gate[rows]
+    else:
+        x_rows, h_rows = x, h_all
+    if cache is not None:
+        key, value, slots, key_valid = cache.entries(all_rows if rows is None else rows)
     query_index = selection.positions
-    xs = gather_tokens(x, query_index)
-    q = _project_queries(layer, gather_tokens(h_all, query_index), gather_tokens(positions, query_index))
+    xs = gather_tokens(x_rows, query_index)
+    q = _project_queries(layer, gather_tokens(h_rows, query_index), gather_tokens(positions, query_index))
     query_slots = query_index if cache is None else cache.seen + query_index
     attn_mask = _attention_mask(mask, query_index, query_slots, slots, key_valid)
-    return _attend_and_update(layer, x, xs, q, key, value, selection, gate, attn_mask, False)
+    out_rows = _attend_and_update(layer, x_rows, xs, q, key, value, selection, gate, attn_mask, False)
+    return out_rows if rows is None else x.index_copy(0, rows, out_rows)
 
 
 def _attend_and_update(

@@ -5,8 +5,8 @@ routing=ctx)``; routed layers read β and the mode from it and leave a :class:`L
 keyed by their layer index. Stock torchtune callers pass nothing and get student (inference) routing.
 """
 
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -85,6 +85,11 @@ class RoutingContext:
     # SDT: residuals a Decision layer hands to the Dynamic layer that follows, keyed by the Dynamic
     # layer's index (kept for the whole forward so activation-checkpoint recomputation sees them too).
     decision_states: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # A per-layer view (:meth:`for_layer`): what one layer reads and leaves, without layer indices.
+    layer_view: bool = False
+    incoming_states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    outgoing_states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    layer_record: Optional[LayerRouting] = None
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTING_MODES:
@@ -94,11 +99,63 @@ class RoutingContext:
         if not 0.0 <= self.capacity_progress <= 1.0:
             raise ValueError(f"capacity_progress must be in [0, 1], got {self.capacity_progress!r}")
 
+    # -- per-layer views: what a compiled layer sees ------------------------------------------------
+    def for_layer(self, layer_idx: int, device: Optional[torch.device] = None) -> "RoutingContext":
+        """The context the decoder hands layer ``layer_idx``: the same mode, with β as 0-dim fp32 tensors on
+        ``device`` and the Decision-layer states meant for this layer, but no layer indices and no shared
+        containers. A layer compiled with ``torch.compile`` guards on every Python value it reads: a dict
+        keyed by layer index, or a β that the schedule moves every step, would make a new graph per layer
+        or per step. With a view every routed layer of a kind, at every step, runs the same graph;
+        :meth:`absorb` files what the layer left under its index."""
+        betas = {}
+        if self.beta_ce is not None and not isinstance(self.beta_ce, torch.Tensor):
+            betas["beta_ce"] = torch.tensor(float(self.beta_ce), dtype=torch.float32, device=device)
+        if self.beta_cu is not None and not isinstance(self.beta_cu, torch.Tensor):
+            betas["beta_cu"] = torch.tensor(float(self.beta_cu), dtype=torch.float32, device=device)
+        return replace(
+            self, layers={}, decision_states={}, layer_view=True,
+            incoming_states=self.decision_states.get(layer_idx), outgoing_states=None, layer_record=None, **betas,
+        )
+
+    def absorb(self, layer_idx: int, view: "RoutingContext") -> None:
+        """File what the :meth:`for_layer` view of layer ``layer_idx`` collected."""
+        if view.layer_record is not None:
+            self.layers[layer_idx] = view.layer_record
+        if view.outgoing_states is not None:
+            self.decision_states[layer_idx + 1] = view.outgoing_states
+
+    def record_of(self, layer_idx: int) -> LayerRouting:
+        """Layer ``layer_idx``'s record of this forward: from ``layers``, or, in that layer's own
+        :meth:`for_layer` view (e.g. in a forward hook, before the decoder files it), the view's record."""
+        if self.layer_view:
+            return self.layer_record
+        return self.layers[layer_idx]
+
+    def file_record(self, layer, record: LayerRouting) -> None:
+        """A routed layer leaves its record of this forward (keyed by ``layer.layer_idx``)."""
+        if self.layer_view:
+            self.layer_record = record
+        else:
+            self.layers[layer.layer_idx] = record
+
+    def hand_to_next_layer(self, layer, states: Tuple[torch.Tensor, torch.Tensor]) -> None:
+        """An SDT Decision layer hands (Δx, Δx̂) to the Dynamic layer after it."""
+        if self.layer_view:
+            self.outgoing_states = states
+        else:
+            self.decision_states[layer.layer_idx + 1] = states
+
+    def states_from_previous_layer(self, layer) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """What the Decision layer before ``layer`` handed over in this forward, or None."""
+        if self.layer_view:
+            return self.incoming_states
+        return self.decision_states.get(layer.layer_idx)
+
     def capacity(self, configured: float) -> float:
         """The teacher's capacity this forward for a layer configured with ``configured`` (curriculum)."""
         return 1.0 - self.capacity_progress * (1.0 - configured)
 
-    def betas(self) -> Tuple[float, float]:
+    def betas(self) -> Tuple[Union[float, torch.Tensor], Union[float, torch.Tensor]]:
         if self.beta_ce is None or self.beta_cu is None:
             raise ValueError(
                 "Teacher routing of SDT/STT needs beta_ce and beta_cu for this step; pass "

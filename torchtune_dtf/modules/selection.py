@@ -4,8 +4,13 @@ A :class:`Selection` holds, per batch row, the time-ordered positions (sequence 
 that run the block. A row may hold several sequences (packed documents, or left padding, where every pad
 is a sequence of its own): ``starts [b, s]`` marks the first token of each, and per-sequence budgets
 (top-k) count each sequence's own tokens (docs/design.md R3, R4). Rows may select different numbers of tokens (threshold routing); the index tensor
-is then padded to the largest count and ``valid`` marks the real entries. Keeping indices sorted in
+is then padded to a slot count and ``valid`` marks the real entries. Keeping indices sorted in
 time order is what makes the causal mask over the gathered tokens correct (docs/design.md §3.7, §7).
+
+Shapes are static wherever the budget is (top-k): a row of s tokens holds at most ⌊γ·s⌋ selected tokens
+however it splits into sequences (Σ⌊γ·n_i⌋ ≤ ⌊γ·Σn_i⌋), and a decode step runs ⌊γ·b⌋ rows. Those paths read
+nothing back from the device, so ``torch.compile(fullgraph=True)`` captures them whole. Threshold routing
+has a data-dependent count; :func:`mask_selection` and :func:`row_selection` read it once per call.
 """
 
 import math
@@ -24,11 +29,15 @@ class Selection:
         valid (Optional[torch.Tensor]): ``[b, k]`` bool, False for padding entries; None when every
             row selects exactly k tokens.
         mask (torch.Tensor): ``[b, s]`` bool, True where a token runs the block.
+        rows (Optional[torch.Tensor]): ``[r]`` ascending batch rows that run anything (decoding, one token
+            per row); ``positions`` is then ``[r, 1]`` and describes those rows only. None: every row of
+            ``positions`` is its batch row.
     """
 
     positions: torch.Tensor
     valid: Optional[torch.Tensor]
     mask: torch.Tensor
+    rows: Optional[torch.Tensor] = None
 
     @property
     def num_selected(self) -> int:
@@ -74,23 +83,29 @@ def sequence_bounds(starts: torch.Tensor):
     return first, following - first
 
 
-def segment_topk_selection(scores: torch.Tensor, starts: torch.Tensor, capacity: float) -> Selection:
+def segment_topk_selection(
+    scores: torch.Tensor, starts: torch.Tensor, capacity: float, *, single_sequence: bool = False
+) -> Selection:
     """Top-k within every sequence of every row: a sequence of n tokens runs ⌊γ·n⌋ of them.
 
-    Ties resolve to the earlier token (docs/design.md §3.9). With one sequence per row this is
-    :func:`topk_selection` with k = ⌊γ·s⌋.
+    Ties resolve to the earlier token (docs/design.md §3.9). The selection has ⌊γ·s⌋ slots per row, the
+    most any split into sequences can fill, so its shape never depends on the data; rows whose sequences
+    leave slots over mark them invalid.
 
     Args:
         scores (torch.Tensor): ``[b, s]``.
         starts (torch.Tensor): ``[b, s]`` bool, first token of each sequence (see :func:`sequence_bounds`).
         capacity (float): γ.
+        single_sequence (bool): the caller knows every row is one sequence (no mask, no position ids):
+            plain :func:`topk_selection` with k = ⌊γ·s⌋, every slot valid.
 
     Returns:
-        Selection: rows may differ in count.
+        Selection: ``[b, ⌊γ·s⌋]`` positions.
     """
     seq_len = scores.shape[-1]
-    if not bool(starts[:, 1:].any()):
-        return topk_selection(scores, int(math.floor(capacity * seq_len)))
+    num_slots = int(math.floor(capacity * seq_len))
+    if single_sequence:
+        return topk_selection(scores, num_slots)
     first, length = sequence_bounds(starts)
     budget = torch.floor(capacity * length.double()).long()
     # Descending by score (stable: earlier token first among equals), then stably grouped by sequence.
@@ -100,23 +115,42 @@ def segment_topk_selection(scores: torch.Tensor, starts: torch.Tensor, capacity:
     rank = torch.arange(seq_len, device=scores.device) - torch.gather(first, 1, grouped)
     chosen = rank < torch.gather(budget, 1, grouped)
     mask = torch.zeros_like(starts).scatter_(1, grouped, chosen)
-    return mask_selection(mask)
+    return slots_selection(mask, num_slots)
 
 
-def mask_selection(mask: torch.Tensor) -> Selection:
-    """Selection from a boolean mask ``[b, s]`` (threshold routing); rows may differ in count."""
+def slots_selection(mask: torch.Tensor, num_slots: int) -> Selection:
+    """Selection of ``num_slots`` entries per row from a mask ``[b, s]`` that selects at most that many
+    per row (static shape, no host read): selected tokens first in time order, then padding."""
     counts = mask.sum(dim=-1)
-    num_slots = int(counts.max()) if mask.numel() else 0
-    if bool((counts == num_slots).all()):
-        positions = torch.nonzero(mask, as_tuple=True)[1].view(mask.shape[0], num_slots)
-        return Selection(positions=positions, valid=None, mask=mask)
     # Selected tokens first, each group in time order (stable sort on the "not selected" flag).
     order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[:, :num_slots]
     valid = torch.arange(num_slots, device=mask.device)[None, :] < counts[:, None]
     return Selection(positions=order, valid=valid, mask=mask)
 
 
-def batch_topk_rows(scores: torch.Tensor, capacity: float) -> torch.Tensor:
+def mask_selection(mask: torch.Tensor) -> Selection:
+    """Selection from a boolean mask ``[b, s]`` (threshold routing); rows may differ in count.
+
+    The number of slots is the largest row count, read from the device once (the one host read of a
+    threshold-routed layer's forward)."""
+    counts = mask.sum(dim=-1)
+    if not mask.numel():
+        return Selection(positions=mask.new_zeros(mask.shape[0], 0, dtype=torch.long), valid=None, mask=mask)
+    most, fewest = torch.stack([counts.max(), counts.min()]).tolist()
+    selection = slots_selection(mask, most)
+    if most == fewest:
+        selection.valid = None  # every slot is a selected token
+    return selection
+
+
+def row_selection(mask: torch.Tensor) -> Selection:
+    """Selection of a decode step (one token per row) from a mask ``[b, 1]``: the rows that run, found
+    with one host read (threshold routing)."""
+    rows = torch.nonzero(mask[:, 0]).squeeze(-1)
+    return Selection(positions=rows.new_zeros(rows.shape[0], 1), valid=None, mask=mask, rows=rows)
+
+
+def batch_topk_selection(scores: torch.Tensor, capacity: float) -> Selection:
     """Per-step budget for decoding (spec §5.1): the top ⌊γ·b⌋ rows of the batch run the block.
 
     Args:
@@ -124,7 +158,7 @@ def batch_topk_rows(scores: torch.Tensor, capacity: float) -> torch.Tensor:
         capacity (float): γ.
 
     Returns:
-        torch.Tensor: ``[b, 1]`` bool mask.
+        Selection: ``rows [⌊γ·b⌋]`` ascending, ``positions [⌊γ·b⌋, 1]`` (zeros), ``mask [b, 1]``; static shapes.
 
     Raises:
         ValueError: when ⌊γ·b⌋ = 0. Such a step would skip the routed layer for every row, silently;
@@ -138,7 +172,9 @@ def batch_topk_rows(scores: torch.Tensor, capacity: float) -> torch.Tensor:
             "Use student_routing_mode='threshold' (causal, per token) or decode a batch of at least "
             f"{math.ceil(1 / capacity)} rows."
         )
-    return topk_selection(scores[None, :], num_rows).mask.view(-1, 1)
+    chosen = topk_selection(scores[None, :], num_rows)
+    rows = chosen.positions[0]
+    return Selection(positions=torch.zeros_like(rows)[:, None], valid=None, mask=chosen.mask.view(-1, 1), rows=rows)
 
 
 def gather_tokens(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

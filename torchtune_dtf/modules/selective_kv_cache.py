@@ -10,9 +10,16 @@ or by comparing slots when no mask is given.
 The cache also carries the last layer input of each row, which the two-token causal router needs for
 the first token of the next chunk.
 
-Memory follows what runs: the buffers start at ``initial_entries`` per row (the layer's capacity
-γ·max_seq_len, see ``RoutedSelfAttentionLayer.setup_caches``) and grow by a quarter, up to
-``max_seq_len``, only when a row would overflow them.
+Two ways to hold the entries:
+
+* growing (the default): memory follows what runs. The buffers start at ``initial_entries`` per row (the
+  layer's capacity γ·max_seq_len, see ``RoutedSelfAttentionLayer.setup_caches``) and grow by a quarter, up
+  to ``max_seq_len``, only when a row would overflow them. The cache keeps on the host an upper bound of the
+  fullest row (it adds the slots each write offers), so it reads the true fill levels back from the device
+  only when that bound says the buffers might overflow, and attention reads entries up to the bound.
+* ``static``: ``max_seq_len`` entries per row from the start (the gpt-fast pattern). No write or read ever
+  looks at the fill levels on the host and no shape changes, so a compiled decode step is one graph that a
+  GPU can replay; attention masks the entries past each row's fill. Memory is the dense layer's.
 """
 
 import math
@@ -32,7 +39,8 @@ class SelectiveKVCache(nn.Module):
         embed_dim (int): model width, for the carried previous-token state.
         dtype (torch.dtype): dtype of keys, values and carried state.
         initial_entries (Optional[int]): entries per row allocated up front (default ``max_seq_len``);
-            the buffers grow on demand up to ``max_seq_len``.
+            the buffers grow on demand up to ``max_seq_len``. Ignored when ``static``.
+        static (bool): allocate ``max_seq_len`` entries per row and never grow or read fill levels back.
 
     Buffers (``n`` = entries allocated per row, ``allocated_entries``):
         k_cache, v_cache: ``[b, n_kv, n + 1, h_d]``; the last entry is a scratch slot that absorbs the
@@ -54,13 +62,19 @@ class SelectiveKVCache(nn.Module):
         embed_dim: int,
         dtype: torch.dtype,
         initial_entries: Optional[int] = None,
+        static: bool = False,
     ) -> None:
         super().__init__()
-        initial_entries = max_seq_len if initial_entries is None else initial_entries
+        initial_entries = max_seq_len if (initial_entries is None or static) else initial_entries
         if not 0 < initial_entries <= max_seq_len:
             raise ValueError(f"initial_entries must be in [1, max_seq_len={max_seq_len}], got {initial_entries}")
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
+        self.static = static
+        # Growing cache only, host-side (never read from the device): at least as many entries as the
+        # fullest row holds, and the entries per row announced by make_room and not yet written.
+        self._fill_bound = 0
+        self._announced = 0
         shape = (batch_size, num_kv_heads, initial_entries + 1, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
@@ -81,6 +95,8 @@ class SelectiveKVCache(nn.Module):
         self.seen.zero_()
         self.last_input.zero_()
         self.last_output.zero_()
+        self._fill_bound = 0
+        self._announced = 0
 
     @property
     def allocated_entries(self) -> int:
@@ -123,7 +139,7 @@ class SelectiveKVCache(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         slots: torch.Tensor,
-        valid: torch.Tensor,
+        valid: Optional[torch.Tensor] = None,
     ) -> None:
         """Store the K/V of the tokens that ran the block.
 
@@ -132,12 +148,23 @@ class SelectiveKVCache(nn.Module):
             k (torch.Tensor): ``[r, n_kv, k, h_d]`` keys (RoPE applied) of the gathered tokens.
             v (torch.Tensor): ``[r, n_kv, k, h_d]`` values.
             slots (torch.Tensor): ``[r, k]`` layout slots of those tokens.
-            valid (torch.Tensor): ``[r, k]`` bool; False entries are padding and are not stored.
+            valid (Optional[torch.Tensor]): ``[r, k]`` bool; False entries are padding and are not stored.
+                None: every entry is stored.
         """
-        counts = valid.sum(dim=-1)
-        self.reserve(int((self.fill[rows] + counts).max()))
-        offsets = self.fill[rows, None] + torch.cumsum(valid.long(), dim=-1) - 1
-        write_at = torch.where(valid, offsets, torch.full_like(offsets, self.allocated_entries))
+        num_new = k.shape[2]
+        if not (self.static or torch.compiler.is_compiling()):
+            # Eager: take the room from what the decoder announced (make_room), or announce it here.
+            # Compiled code reads no host-side state (it would become a guard): the decoder announced it.
+            if num_new > self._announced:
+                self.make_room(num_new)
+            self._announced -= num_new
+        if valid is None:
+            write_at = self.fill[rows, None] + torch.arange(num_new, device=slots.device)
+            counts = num_new
+        else:
+            counts = valid.sum(dim=-1)
+            offsets = self.fill[rows, None] + torch.cumsum(valid.long(), dim=-1) - 1
+            write_at = torch.where(valid, offsets, torch.full_like(offsets, self.allocated_entries))
         row_index = rows[:, None].expand_as(write_at)
         # [r, k, n_kv, h_d] views so advanced indexing on (row, entry) writes whole heads at once.
         self.k_cache.permute(0, 2, 1, 3)[row_index, write_at] = k.permute(0, 2, 1, 3).to(self.k_cache.dtype)
@@ -145,16 +172,35 @@ class SelectiveKVCache(nn.Module):
         self.entry_slots[row_index, write_at] = slots
         self.fill[rows] += counts
 
+    def make_room(self, num_new: int) -> None:
+        """Announce that the next writes add at most ``num_new`` entries to any row, and make room for them.
+
+        The decoder calls this for every routed layer before each forward (outside any compiled layer),
+        so ``append`` itself never decides an allocation. A growing cache raises its host-side bound of
+        the fullest row by ``num_new``; only when that bound exceeds the allocation does it read the true
+        fill levels from the device (one host read) and grow. A static cache has room by construction.
+        """
+        if self.static:
+            return
+        self._announced = num_new
+        if self._fill_bound + num_new > self.allocated_entries:
+            self._fill_bound = int(self.fill.max())  # the bound says a row might overflow: look
+            self.reserve(self._fill_bound + num_new)
+        self._fill_bound += num_new
+
     def entries(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stored entries of ``rows``, truncated to the longest fill among them.
+        """Stored entries of ``rows``: the first ``n`` of each row, ``n`` the host-side bound of the fill
+        (a growing cache) or ``max_seq_len`` (a static one); ``valid`` marks those a row really holds.
 
         Returns:
             Tuple of keys ``[r, n_kv, n, h_d]``, values ``[r, n_kv, n, h_d]``, slots ``[r, n]`` and a
             validity mask ``[r, n]``.
         """
         fill = self.fill[rows]
-        length = int(fill.max()) if rows.numel() else 0
-        if rows.numel() == self.batch_size:
+        length = self.allocated_entries
+        if not (self.static or torch.compiler.is_compiling()):
+            length = min(self._fill_bound, length)  # eager: no further than any row can have written
+        if rows.shape[0] == self.batch_size:
             k, v, slots = self.k_cache, self.v_cache, self.entry_slots  # no row copy for the full batch
         else:
             k, v, slots = self.k_cache[rows], self.v_cache[rows], self.entry_slots[rows]

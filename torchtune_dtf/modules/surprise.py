@@ -167,8 +167,8 @@ class PredictiveRouter(nn.Module):
         Args:
             d_st (torch.Tensor): static surprise ``[b, s]``.
             d_ch (torch.Tensor): change surprise ``[b, s]``.
-            beta_ce (float): inverse temperature of CE, supplied by the trainer.
-            beta_cu (float): inverse temperature of CU, supplied by the trainer.
+            beta_ce (float or 0-dim tensor): inverse temperature of CE, supplied by the trainer.
+            beta_cu (float or 0-dim tensor): inverse temperature of CU, supplied by the trainer.
             starts (Optional[torch.Tensor]): ``[b, s]`` bool, first token of each sequence (the moving
                 average restarts there); None means one sequence per row.
 

@@ -17,6 +17,9 @@ decode steps of rows that already stopped (torchtune's ``generate`` decodes unti
 padding included; per-token routing on clean text is what ``torchtune_dtf.evaluation.routing_report``
 measures.
 
+``compile: True`` in the config compiles every decoder layer (:func:`torchtune_dtf.training.compile.compile_layers`)
+with static selective caches before the evaluation; the stock recipe has no such key and ignores it.
+
 The results reach the JSON through a hook on this recipe's private copy of the stock module: its
 global ``evaluate`` (lm-eval's) is wrapped to keep the returned dict, which the stock recipe only logs.
 """
@@ -29,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 
 from torchtune_dtf.recipes.stock import load_stock_recipe, log_config_if_asked, run_counting_routing
+from torchtune_dtf.training.compile import compile_layers
 
 RESULTS_FILE = "routed_eval_results.json"
 COUNTED = (
@@ -52,6 +56,11 @@ def recipe_main(cfg: DictConfig) -> None:
     stock.evaluate = evaluate_keeping_results  # this module object is private to this call
     recipe = stock.EleutherEvalRecipe(cfg=cfg)
     recipe.setup(cfg=cfg)
+    if cfg.get("compile", False):
+        model = recipe.eleuther_model_wrapper.model
+        if hasattr(model, "use_static_kv_caches"):
+            model.use_static_kv_caches()
+        compile_layers(model)
     text, summary = run_counting_routing(recipe.eleuther_model_wrapper.model, recipe.evaluate, COUNTED)
     recipe.logger.info(text)
     if cfg.get("output_dir") and outputs and outputs[-1] is not None:

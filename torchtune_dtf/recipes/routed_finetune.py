@@ -651,8 +651,10 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             self._checkpointer.begin_run(self._run_id)
         self._model.train()
         self._optimizer.zero_grad()
-        parts_sum: Dict[str, float] = {}
-        num_tokens = 0
+        # Per step, on the device: the loss parts (averaged over micro-batches) and the target tokens. They
+        # come back to the host once per optimizer step, with the gradient norm (_read_step_values).
+        parts_on_device: Dict[str, torch.Tensor] = {}
+        tokens_on_device = torch.zeros((), dtype=torch.float64, device=self._device)
         tokens_since_log = 0  # the `tokens` metric: summed over the log lines, the run's training tokens
         step_start = time.perf_counter()
         # For the run summary (_summarize): this invocation's wall time, steps and target tokens (this rank).
@@ -667,11 +669,12 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                 if self.global_step >= (curr_epoch + 1) * self._steps_per_epoch:
                     break
                 batch = {k: v.to(self._device) for k, v in batch.items()}
-                num_tokens += int((batch["labels"] != self._loss_fn.ignore_index).sum())
+                tokens_on_device += (batch["labels"] != self._loss_fn.ignore_index).sum()
                 loss, parts, routing = self._total_loss(batch)
                 (loss / self._gradient_accumulation_steps).backward()
                 for name, value in parts.items():
-                    parts_sum[name] = parts_sum.get(name, 0.0) + value.item() / self._gradient_accumulation_steps
+                    share = value.double() / self._gradient_accumulation_steps
+                    parts_on_device[name] = parts_on_device[name] + share if name in parts_on_device else share
                 micro_step += 1
                 if micro_step % self._gradient_accumulation_steps:
                     continue
@@ -681,7 +684,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                 grad_norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), max_norm=max_norm)
                 if hasattr(grad_norm, "full_tensor"):
                     grad_norm = grad_norm.full_tensor()
-                self._stop_if_diverged(parts_sum, grad_norm)
+                parts_sum, num_tokens, grad_norm = self._read_step_values(parts_on_device, tokens_on_device, grad_norm)
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
                 self._lr_scheduler.step()
@@ -704,8 +707,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                     tokens_since_log = 0
                     for group in self._optimizer.param_groups:
                         metrics[f"lr/{group['name']}"] = group["lr"]
-                    if grad_norm is not None:
-                        metrics["grad_norm"] = float(grad_norm)
+                    metrics["grad_norm"] = grad_norm
                     if self._routed:
                         metrics["beta_ce"], metrics["beta_cu"] = routing.beta_ce, routing.beta_cu
                         metrics["capacity_progress"] = routing.capacity_progress
@@ -713,7 +715,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                         metrics["scheduled_sampling/executed_student"] = float(routing.execute == "student")
                         metrics.update(routing_metrics(routing))
                     self._metric_logger.log_dict(metrics, step=self.global_step)
-                parts_sum, num_tokens, step_start = {}, 0, time.perf_counter()
+                parts_on_device, step_start = {}, time.perf_counter()
+                tokens_on_device = torch.zeros((), dtype=torch.float64, device=self._device)
 
                 if self._val_dataloader is not None and self.global_step % self._val_every_n_steps == 0:
                     val = self.validate()
@@ -843,23 +846,33 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                 {f"calibration/{key}_layer_{i}": r[key] for i, r in report.items() for key in r}, step=self.global_step
             )
 
-    def _stop_if_diverged(self, parts: Dict[str, float], grad_norm: torch.Tensor) -> None:
-        """A non-finite loss or gradient stops the run before the optimizer step, so neither the weights nor
-        any checkpoint take it (all ranks agree: the flag is reduced)."""
-        bad = torch.tensor(
-            float(not all(math.isfinite(v) for v in parts.values()) or not torch.isfinite(grad_norm).item()),
-            device=self._device,
-        )
+    def _read_step_values(
+        self, parts: Dict[str, torch.Tensor], tokens: torch.Tensor, grad_norm: torch.Tensor
+    ) -> Tuple[Dict[str, float], int, float]:
+        """The step's loss parts and target tokens as Python numbers, in one host read per optimizer step
+        (not one per loss part per micro-batch), after checking them: a non-finite loss or gradient stops
+        the run before the optimizer step, so neither the weights nor any checkpoint take it (all ranks
+        agree: the flag is reduced).
+
+        Returns:
+            (parts as floats, this rank's target tokens, the gradient norm).
+        """
+        names = list(parts)
+        values = torch.stack([*(parts[name] for name in names), grad_norm.detach().double().reshape(())])
+        bad = (~torch.isfinite(values)).any().double()
         if self._distributed:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item():
-            losses = ", ".join(f"{k} {v:.4g}" for k, v in parts.items())
+        *part_values, norm, num_tokens, flag = torch.cat([values, tokens.reshape(1), bad.reshape(1)]).tolist()
+        step_parts = dict(zip(names, part_values))
+        if flag:
+            losses = ", ".join(f"{k} {v:.4g}" for k, v in step_parts.items())
             raise FloatingPointError(
-                f"Training diverged at step {self.global_step + 1}: loss ({losses}), grad norm {float(grad_norm):.4g} "
+                f"Training diverged at step {self.global_step + 1}: loss ({losses}), grad norm {norm:.4g} "
                 "(on some rank). Stopped before the optimizer step; the checkpoints in output_dir are untouched. "
                 "Lower the learning rates, check clip_grad_norm and the data (documents of a single token give no "
                 "LM targets), then resume or restart."
             )
+        return step_parts, int(num_tokens), norm
 
     # ----------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, epoch: int, epochs_run: int) -> None:

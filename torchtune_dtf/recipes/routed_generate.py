@@ -10,6 +10,11 @@ file; nothing of it is copied) with the same config, so the output is the stock 
 
 (``configs/tiny/generate_stt.yaml`` on the tests' tiny checkpoint), read from the routed layers' student
 counters (:meth:`RoutedTransformerDecoder.executed_fractions`).
+
+``compile: True`` in the config decodes with one compiled step over static KV buffers
+(:func:`torchtune_dtf.training.compile.compiled_decode_step`, CUDA graphs on a GPU): this recipe's private
+copy of the stock module gets a ``generation`` whose ``generate`` passes that step as the stock
+``custom_generate_next_token``. The prompt's prefill runs eager, as in the stock recipe.
 The counters are zeroed after setup, so they hold exactly this generation: the prompt's tokens (prefill)
 and one token per decode step; the last generated token is never fed back. The stock recipe decodes one
 unpadded prompt, so no padding is counted. With a ``quantizer`` the stock recipe first runs a two-token
@@ -17,16 +22,33 @@ warm-up generation, which is counted too.
 """
 
 import sys
+from types import ModuleType
+from typing import Callable
 
 from omegaconf import DictConfig
-from torchtune import config, utils
+from torchtune import config, generation, utils
 
 from torchtune_dtf.recipes.stock import load_stock_recipe, log_config_if_asked, run_counting_routing
+from torchtune_dtf.training.compile import compiled_decode_step
 
 COUNTED = (
     "prompt tokens + one per decode step (the last generated token is never fed back); "
     "with a quantizer, the stock recipe's 2-token warm-up too"
 )
+
+
+class _GenerationWithStep(ModuleType):
+    """``torchtune.generation`` whose ``generate`` decodes with ``step`` unless the caller passes its own."""
+
+    def __init__(self, step: Callable) -> None:
+        super().__init__("torchtune_dtf._generation_with_compiled_step")
+        self._step = step
+
+    def __getattr__(self, name):
+        return getattr(generation, name)
+
+    def generate(self, *args, custom_generate_next_token=None, **kwargs):
+        return generation.generate(*args, custom_generate_next_token=custom_generate_next_token or self._step, **kwargs)
 
 
 @config.parse
@@ -35,9 +57,13 @@ def main(cfg: DictConfig) -> None:
     stock = load_stock_recipe("generate")
     recipe = stock.InferenceRecipe(cfg=cfg)
     recipe.setup(cfg=cfg)
+    logger = utils.get_logger(cfg.get("log_level", "INFO"))
+    if cfg.get("compile", False):
+        stock.generation = _GenerationWithStep(compiled_decode_step(recipe._model))  # this module copy only
+        logger.info("compile: True — decoding with one compiled step over static KV caches")
     # recipe._model: the stock recipe's model (it has no public accessor)
     text, _ = run_counting_routing(recipe._model, lambda: recipe.generate(cfg=cfg), COUNTED)
-    utils.get_logger(cfg.get("log_level", "INFO")).info(text)
+    logger.info(text)
 
 
 if __name__ == "__main__":

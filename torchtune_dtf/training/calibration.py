@@ -164,9 +164,11 @@ def _held_to_target_pass(
 
     handles = [layer.causal_router.register_forward_hook(hold_to_target(idx, layer)) for idx, layer in layers.items()]
     try:
-        for batch in batches:
-            valid.append(_valid(batch, batch["tokens"]))
-            _forward(model, batch, RoutingContext(mode="student"))
+        # Eager even in a compiled model: a compiled layer's graph does not call hooks added after it was traced.
+        with torch.compiler.set_stance("force_eager"):
+            for batch in batches:
+                valid.append(_valid(batch, batch["tokens"]))
+                _forward(model, batch, RoutingContext(mode="student"))
     finally:
         for handle in handles:
             handle.remove()

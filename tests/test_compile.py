@@ -1,0 +1,180 @@
+"""torch.compile over routed models, layer by layer as torchtune's ``training.compile_model`` applies it.
+
+Top-k routing has static shapes by construction (⌊γ·n⌋ tokens per sequence, ⌊γ·b⌋ rows per decode step), so
+each routed layer must compile to one whole graph (``fullgraph=True``: any host read or graph break fails)
+for the cached prefill, the decode step and the training forward/backward, and give what eager gives:
+logits, decisions, cache contents and gradients. Threshold routing has a data-dependent count: its graphs
+must stay few over a long decode. ``aot_eager`` traces forward and backward through AOTAutograd (what
+inductor compiles) without generating C++, so the matrix runs in seconds; one test runs inductor itself.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torchtune.modules import TransformerSelfAttentionLayer
+from torchtune.modules.common_utils import delete_kv_caches
+
+from tests.conftest import ROUTED_VARIANTS, VOCAB, build_tiny
+from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
+from torchtune_dtf.training.compile import compile_layers, routes_with_static_shapes
+
+BATCH, PROMPT, NEW, MAX_LEN = 4, 16, 6, 32
+
+#: The papers' setting, and the shape of the study's recommended recipes (a dropped layer, routed layers
+#: whose skipped tokens keep writing K/V, a skip bias or the variant's forecast on the skip path).
+SHAPES = {
+    "papers": {},
+    "recommended": dict(skipped_tokens_write_kv=True, skip_update="bias", always_run_first_token=True),
+    "forecast": dict(skipped_tokens_write_kv=True, skip_update="predicted"),
+}
+DROPPED = {"mod": dict(dropped_layers=[2]), "stt": dict(dropped_layers=[2]), "sdt": dict(routed_layers=[3], dropped_layers=[1])}
+
+
+def build(variant, shape, **overrides):
+    kwargs = dict(SHAPES[shape], **overrides)
+    if shape != "papers":
+        kwargs.update(DROPPED[variant])
+    return build_tiny(variant, **kwargs)
+
+
+def causal_masks(max_len=MAX_LEN):
+    return torch.tril(torch.ones(max_len, max_len, dtype=torch.bool))[None].expand(BATCH, -1, -1)
+
+
+def generate_greedy(model, prompt):
+    """Cached prefill of ``prompt [b, PROMPT]`` and NEW greedy decode steps with static caches. Returns
+    (logits of every step ``[b, PROMPT + NEW, v]``, per routed layer the executed mask ``[b, PROMPT + NEW]``,
+    the routed layers' cache buffers)."""
+    model.use_static_kv_caches()
+    model.setup_caches(batch_size=BATCH, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    masks = causal_masks()
+    ctx = RoutingContext(mode="student")
+    with torch.no_grad():
+        logits = [model(prompt, mask=masks[:, :PROMPT], input_pos=torch.arange(PROMPT), routing=ctx)]
+        executed = {i: [r.selected_mask] for i, r in ctx.layers.items()}
+        token = logits[-1][:, -1:].argmax(-1)
+        for t in range(PROMPT, PROMPT + NEW):
+            ctx = RoutingContext(mode="student")
+            logits.append(model(token, mask=masks[:, t : t + 1], input_pos=torch.full((BATCH,), t), routing=ctx))
+            for i, r in ctx.layers.items():
+                executed[i].append(r.selected_mask)
+            token = logits[-1][:, -1:].argmax(-1)
+    caches = {
+        layer.layer_idx: {name: buf.clone() for name, buf in layer.attn.kv_cache.named_buffers()}
+        for layer in model.layers if isinstance(layer, RoutedSelfAttentionLayer)
+    }
+    delete_kv_caches(model)
+    return torch.cat(logits, dim=1), {i: torch.cat(m, dim=1) for i, m in executed.items()}, caches
+
+
+def train_step_grads(model, tokens, beta):
+    """One teacher-mode forward/backward (LM + causal-router losses); gradients by parameter name."""
+    model.train()
+    ctx = RoutingContext(mode="teacher", beta_ce=beta, beta_cu=beta)
+    logits = model(tokens, routing=ctx)
+    lm = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+    causal = sum(r.causal_loss for r in ctx.layers.values() if r.causal_loss is not None)
+    (lm + causal).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return lm.detach(), grads, {i: r.selected_mask for i, r in ctx.layers.items()}
+
+
+def assert_same_run(eager, compiled, tokens, atol):
+    prompt = tokens[:, :PROMPT]
+    eager_logits, eager_ran, eager_caches = generate_greedy(eager, prompt)
+    compiled_logits, compiled_ran, compiled_caches = generate_greedy(compiled, prompt)
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=atol, atol=atol)
+    assert eager_ran.keys() == compiled_ran.keys() and eager_ran
+    for idx, ran in eager_ran.items():
+        assert torch.equal(compiled_ran[idx], ran), f"layer {idx} ran other tokens when compiled"
+        assert 0 < ran.sum() < ran.numel(), f"routed layer {idx} ran all tokens or none: proves nothing"
+    for idx, buffers in eager_caches.items():
+        assert torch.equal(compiled_caches[idx]["fill"], buffers["fill"])
+        filled = int(buffers["fill"].max())
+        for name in ("k_cache", "v_cache"):
+            torch.testing.assert_close(compiled_caches[idx][name][:, :, :filled], buffers[name][:, :, :filled], rtol=atol, atol=atol)
+        assert torch.equal(compiled_caches[idx]["entry_slots"][:, :filled], buffers["entry_slots"][:, :filled])
+    # Two β values, as the schedule moves β every step: the second step must reuse the graphs.
+    for beta in (100.0, 37.5):
+        eager_loss, eager_grads, eager_sel = train_step_grads(eager, tokens, beta)
+        compiled_loss, compiled_grads, compiled_sel = train_step_grads(compiled, tokens, beta)
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=atol, atol=atol)
+        assert eager_grads.keys() == compiled_grads.keys()
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=atol, atol=atol, msg=lambda m: f"{name}: {m}")
+        for idx, sel in eager_sel.items():
+            assert torch.equal(compiled_sel[idx], sel)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+# The forecast on the skip path exists for STT only (its TPN predicts the block's own update).
+CASES = [(variant, shape) for variant in ROUTED_VARIANTS for shape in ("papers", "recommended")] + [("stt", "forecast")]
+
+
+@pytest.mark.parametrize("variant, shape", CASES)
+def test_topk_routed_layers_compile_whole_and_match_eager(variant, shape, fresh_dynamo):
+    overrides = dict(student_routing_mode="topk", student_threshold=None)
+    eager = build(variant, shape, **overrides)
+    compiled = compile_layers(build(variant, shape, **overrides), backend="aot_eager")
+    assert routes_with_static_shapes(compiled)  # so compile_layers refused graph breaks (fullgraph=True)
+    tokens = torch.randint(0, VOCAB, (BATCH, 24), generator=torch.Generator().manual_seed(3))
+    assert_same_run(eager, compiled, tokens, atol=1e-5)
+    # fullgraph=True already fails on any break; also no layer kind needed a graph per layer or per step:
+    # prefill, decode, training with grad (two β) and, per kind, no more.
+    kinds = {type(m) for m in compiled.modules() if isinstance(m, TransformerSelfAttentionLayer)}
+    assert counters["stats"]["unique_graphs"] <= 4 * len(kinds), dict(counters["stats"])
+
+
+def test_threshold_decode_keeps_its_graphs_bounded_over_200_steps(fresh_dynamo):
+    # Threshold routing decides a data-dependent number of rows per step: one host read per routed layer,
+    # hence graph breaks, but the graphs must not grow with the number of steps.
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = build_tiny("stt", student_threshold=0.5)
+    eager = build_tiny("stt", student_threshold=0.5)
+    compile_layers(model, backend=counting_backend, fullgraph=False)
+    max_len, steps = 224, 200
+    masks = torch.tril(torch.ones(max_len, max_len, dtype=torch.bool))[None].expand(BATCH, -1, -1)
+    prompt = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=torch.Generator().manual_seed(5))
+    outputs = []
+    for m in (eager, model):
+        m.use_static_kv_caches()
+        m.setup_caches(batch_size=BATCH, dtype=torch.float32, decoder_max_seq_len=max_len)
+        m.reset_routing_counters()
+        with torch.no_grad():
+            logits = [m(prompt, mask=masks[:, :PROMPT], input_pos=torch.arange(PROMPT))]
+            after_prefill = len(graphs)
+            for t in range(PROMPT, PROMPT + steps):
+                if t == PROMPT + 20:
+                    after_20 = len(graphs)
+                token = logits[-1][:, -1:].argmax(-1)
+                logits.append(m(token, mask=masks[:, t : t + 1], input_pos=torch.full((BATCH,), t)))
+        outputs.append((torch.cat(logits, dim=1), m.executed_fractions()))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=1e-5, atol=1e-5)
+    assert outputs[1][1] == outputs[0][1]
+    assert any(0.05 < f < 0.95 for f in outputs[0][1].values()), outputs[0][1]
+    assert after_20 - after_prefill <= 16, "decode steps keep compiling new graphs"
+    assert len(graphs) == after_20, f"graphs grew from {after_20} to {len(graphs)} between decode steps 20 and 200"
+
+
+@pytest.mark.slow
+def test_inductor_compiled_recommended_stt_matches_eager(fresh_dynamo):
+    # The real compiler (C++ codegen on the CPU): the study's recommended shape, top-k student.
+    overrides = dict(student_routing_mode="topk", student_threshold=None)
+    eager = build("stt", "recommended", **overrides)
+    compiled = compile_layers(build("stt", "recommended", **overrides), backend="inductor")
+    tokens = torch.randint(0, VOCAB, (BATCH, 24), generator=torch.Generator().manual_seed(3))
+    assert_same_run(eager, compiled, tokens, atol=1e-4)

@@ -1,0 +1,79 @@
+"""``torch.compile`` for routed models, applied from outside the model.
+
+Two ways, both over the modules users already run:
+
+* :func:`compile_layers` — every decoder layer compiled on its own, as torchtune's
+  ``training.compile_model`` does (routed layers are ``TransformerSelfAttentionLayer`` subclasses, so that
+  function covers them too); here with ``fullgraph`` so that a break fails loudly instead of silently
+  splitting a layer into pieces. Training, prefill and evaluation use this.
+* :func:`compiled_decode_step` — the gpt-fast pattern: one compiled function for the whole decode step
+  (``torchtune.generation.generate_next_token``: embedding, every layer, the head and sampling) over static
+  KV buffers, with ``mode="reduce-overhead"`` on CUDA so the GPU replays the step as one CUDA graph instead
+  of launching its kernels one by one from Python.
+
+What keeps the graphs whole (``docs/design.md`` R6): top-k routing has static shapes (⌊γ·n⌋ tokens per
+sequence, ⌊γ·b⌋ rows per decode step), the selective cache makes its allocation decisions on the host
+before the layers run (``SelectiveKVCache.make_room``) or, static, never, and each layer gets a
+``RoutingContext.for_layer`` view with β as tensors, so neither the layer index nor the β schedule becomes a
+guard. Threshold routing keeps one host read per routed layer per forward (the number of tokens over the
+threshold decides the shapes), so its layers compile in a few pieces (``fullgraph=False``) whose graphs
+stay few over any number of decode steps (tests/test_compile.py).
+"""
+
+import os
+from typing import Callable, Optional
+
+import torch
+from torchtune import generation
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
+
+
+def routes_with_static_shapes(model: torch.nn.Module) -> bool:
+    """True when every routed layer's student is top-k (or the model routes nothing): its forwards then have
+    shapes that do not depend on the data, and compile whole."""
+    if not isinstance(model, RoutedTransformerDecoder):
+        return True
+    return all(layer.student_routing_mode == "topk" for layer in model.routed_layers())
+
+
+def compile_layers(
+    model: torch.nn.Module, *, backend: Optional[str] = None, fullgraph: Optional[bool] = None, mode: Optional[str] = None
+) -> torch.nn.Module:
+    """Compile every decoder layer in place (torchtune's per-layer compile) and return the model.
+
+    Args:
+        model: a ``TransformerDecoder`` (dense or routed).
+        backend: ``torch.compile`` backend; ``TORCH_COMPILE_BACKEND`` or inductor by default, as torchtune.
+        fullgraph: refuse graph breaks; by default when the routing has static shapes
+            (:func:`routes_with_static_shapes`).
+        mode: ``torch.compile`` mode.
+    """
+    backend = backend or os.environ.get("TORCH_COMPILE_BACKEND", "inductor")
+    fullgraph = routes_with_static_shapes(model) if fullgraph is None else fullgraph
+    for module in model.modules():
+        if isinstance(module, TransformerSelfAttentionLayer):
+            module.compile(backend=backend, fullgraph=fullgraph, mode=mode)
+    return model
+
+
+def compiled_decode_step(
+    model: torch.nn.Module, *, backend: Optional[str] = None, mode: Optional[str] = None
+) -> Callable:
+    """A compiled ``generate_next_token`` for ``torchtune.generation.generate(custom_generate_next_token=...)``.
+
+    Makes the model's selective caches static first (:meth:`RoutedTransformerDecoder.use_static_kv_caches`;
+    call this before ``setup_caches``): a growing cache would change shapes as it grows. ``mode`` defaults to
+    ``"reduce-overhead"`` (CUDA graphs) when the model's parameters are on CUDA, and to the default mode
+    elsewhere (CUDA graphs do not exist on the CPU).
+    """
+    if isinstance(model, RoutedTransformerDecoder):
+        model.use_static_kv_caches()
+    if mode is None:
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        mode = "reduce-overhead" if on_cuda else None
+    backend = backend or os.environ.get("TORCH_COMPILE_BACKEND", "inductor")
+    return torch.compile(
+        generation.generate_next_token, backend=backend, mode=mode, fullgraph=routes_with_static_shapes(model)
+    )
