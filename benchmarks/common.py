@@ -93,8 +93,13 @@ def build_like(dense: torch.nn.Module, variant: str, size: str, seed: int = 0, *
     """
     if variant == "dense":
         return dense
+    return build_sharing(dense, lambda: builder(variant, size)(**routing), seed=seed)
+
+
+def build_sharing(dense: torch.nn.Module, build: Callable[[], torch.nn.Module], seed: int = 0) -> torch.nn.Module:
+    """``build()`` under the meta device, its backbone parameters replaced by ``dense``'s (see :func:`build_like`)."""
     with torch.device("meta"):
-        model = builder(variant, size)(**routing)
+        model = build()
     dense_params = dict(dense.named_parameters())
     names = [n for n, _ in model.named_parameters()]
     backbone = [n for n in names if not is_routing_key(n)]
@@ -212,6 +217,19 @@ def subnormals_flushed(enabled: bool) -> Iterator[bool]:
     finally:
         if flushed:
             torch.set_flush_denormal(False)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels (a no-op on CPU), so a timer read next measures them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cast_params(model, dtype) -> None:
+    """Floating parameters to ``dtype`` in place (shared backbone objects once); buffers keep their dtype."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -24,6 +24,8 @@
    of the per-round routed/dense ratios, next to the closed form (``closed_form.py``) for the shape. A section
    that fails is recorded and the others still run.
 3. ``OUT/results.json`` and ``OUT/results.md`` (device, torch version, command, dtype); the Markdown is printed.
+4. ``compiled``: the same models compiled (``benchmarks.compiled``, ``COMPILED_ARGS``): prefill, decode with one
+   compiled step per model over static caches (CUDA graphs) at b 8 and b 32, a training step; ``OUT/compiled/``.
 """
 
 import argparse
@@ -38,13 +40,23 @@ import torch
 from torchtune.modules.common_utils import delete_kv_caches
 
 from benchmarks import closed_form as cf
-from benchmarks.common import (build_dense, build_like, calibrate_student_threshold, causal_cache_mask, interleaved,
-                               median, paired_ratio, routed_layers, routing_for, shapes_for)
+from benchmarks import compiled as compiled_benchmark
+from benchmarks.common import (build_dense, build_like, calibrate_student_threshold, cast_params, causal_cache_mask,
+                               interleaved, median, paired_ratio, routed_layers, routing_for, shapes_for, sync)
 from benchmarks.run import describe_device, prepare_training, train_loss
 from torchtune_dtf.modules import RoutingContext
 
 VARIANTS = ("mod", "sdt", "stt")
-SECTIONS = ("checks", "prefill", "decode", "profile", "train")
+SECTIONS = ("checks", "prefill", "decode", "profile", "train", "compiled")
+#: ``compiled``: ``benchmarks.compiled`` on the device, compiled only (the sections above are the eager rows):
+#: prefill, top-k decode at b 8 and b 32 (one compiled step with CUDA graphs), a training step; written to
+#: OUT/compiled/. The issue-47 targets: prefill b8 × 2048 ≤ FLOPs + 0.05, decode b8 / b32 < 1.0, train ≤ FLOPs + 0.05.
+COMPILED_ARGS = {
+    "0_5b": ["--shape", "0_5b", "--dtype", "bf16", "--modes", "compiled", "--workloads", "prefill", "decode_topk", "train",
+             "--rounds", "3", "--prefill-batch", "8", "--prefill-len", "2048", "--context-b8", "1024",
+             "--decode-batches", "8", "32", "--decode-steps", "64", "--train-batch", "4", "--train-len", "2048"],
+    "tiny": ["--shape", "tiny", "--quick", "--modes", "compiled", "--workloads", "prefill", "decode_topk", "train"],
+}
 GAMMA = 0.5
 TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2}  # max |a − b| / max |b| of logits
 MAX_FLIPS = {torch.float32: 0.005, torch.bfloat16: 0.05}  # share of routing decisions two runs may decide apart (near-ties)
@@ -58,19 +70,6 @@ PLANS = {
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def cast_params(model, dtype) -> None:
-    """Floating parameters to ``dtype`` in place (shared backbone objects once); buffers keep their dtype."""
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued kernels (a no-op on CPU), so a timer read next measures them."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def synced(fn: Callable, device: torch.device) -> Callable:
@@ -395,6 +394,12 @@ def profile_launches(size, plan, dense, topk, thresh, device, dtype, gen) -> Lis
     return rows
 
 
+def run_compiled(size: str, device: torch.device, out_dir: Path) -> List[Dict]:
+    """``benchmarks.compiled`` on ``device`` (its own models and files, OUT/compiled/); nothing joins the eager rows."""
+    compiled_benchmark.main([*COMPILED_ARGS[size], "--device", str(device), "--out", str(out_dir / "compiled")])
+    return []
+
+
 def row(section, shape, variant, dense_times, routed_times, closed, closed_of, note="", **extra) -> Dict:
     return dict(section=section, shape=shape, variant=variant, dense_ms=1e3 * median(dense_times),
                 routed_ms=1e3 * median(routed_times), ratio=paired_ratio({"r": routed_times, "d": dense_times}, "r", "d"),
@@ -483,7 +488,8 @@ def main(argv=None) -> int:
     sections = dict(prefill=lambda: time_prefill(args.size, plan, dense, topk, device, gen),
                     decode=lambda: time_decode(args.size, plan, dense, thresh, device, dtype, gen),
                     profile=lambda: profile_launches(args.size, plan, dense, topk, thresh, device, dtype, gen),
-                    train=lambda: time_train(args.size, plan, dense, device, dtype, gen))  # last: it updates weights
+                    train=lambda: time_train(args.size, plan, dense, device, dtype, gen),  # it updates weights
+                    compiled=lambda: run_compiled(args.size, device, out_dir))
     for name, fn in sections.items():
         if name not in args.sections:
             continue

@@ -281,3 +281,18 @@ def test_batch_one_mask_broadcasts_without_cache(variant, tokens):
         assert ran.shape == (batch, seq_len) and 0 < ran.sum() < ran.numel(), f"routed layer {idx} ran all or none"
     assert torch.equal(broadcast, model(tokens, mask=mask.expand(batch, -1, -1)))
     torch.testing.assert_close(broadcast, model(tokens), rtol=0, atol=0)
+
+
+def test_dropped_layers_allocate_no_kv_cache_and_decode_like_the_full_forward(tokens):
+    model = build_tiny("layerdrop")  # layers 1 and 2 dropped
+    full = model(tokens)
+    model.setup_caches(batch_size=3, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    for idx in (1, 2):
+        assert model.layers[idx].attn.kv_cache.k_cache.shape[2] == 1  # a placeholder entry, never written
+    assert model.layers[0].attn.kv_cache.k_cache.shape[2] == MAX_LEN
+    incremental, _ = decode_incrementally(model, tokens, prompt_len=9)
+    torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(full, build_tiny("dense")(tokens), atol=1e-3)  # the dropped layers really are skipped
+    model.reset_caches()
+    with disable_kv_cache(model):
+        torch.testing.assert_close(model(tokens, mask=causal_masks(3, tokens.shape[1], tokens.shape[1])), full)

@@ -501,6 +501,14 @@ class DroppedLayer(TransformerSelfAttentionLayer):
         super().__init__(attn=attn, mlp=mlp, sa_norm=sa_norm, mlp_norm=mlp_norm)
         self.skip_bias = skip_bias  # None: no child, so the state dict keeps the dense keys
 
+    def setup_caches(
+        self, batch_size: int, dtype: torch.dtype, *, encoder_max_seq_len: int, decoder_max_seq_len: int
+    ) -> None:
+        """A one-entry placeholder instead of a ``decoder_max_seq_len`` cache: the layer never attends, so it
+        stores nothing, but torchtune's cache helpers (``caches_are_setup``, ``reset_caches``,
+        ``disable_kv_cache``, ``delete_kv_caches``) find a cache as on every other layer."""
+        self.attn.setup_cache(batch_size, dtype, max_seq_len=1)
+
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         return x if self.skip_bias is None else x + self.skip_bias().to(x.dtype)
 

@@ -14,7 +14,12 @@ This is the one executor every variant shares (docs/design.md §9): the variants
    positions: x_t ← x_t + g_t·Δ_t; skipped tokens pass unchanged.
 
 Only the selected tokens are computed, so the work is k/s of the dense block's linear work and (k/s)² of
-its attention scores.
+its attention scores. With ``skipped_tokens_write_kv`` the k selected queries attend over all s keys through an
+explicit mask, so the attention kernel computes the whole k × s score rectangle, about twice the causal half
+the closed form counts (not yet a kernel that skips the masked blocks).
+
+Shapes: with a top-k selection every shape here is static (k slots per row, or ⌊γ·b⌋ rows of a decode step) and
+nothing is read back from the device, so ``torch.compile(fullgraph=True)`` captures the whole layer.
 """
 
 from typing import Optional

@@ -21,6 +21,7 @@ stay few over any number of decode steps (tests/test_compile.py).
 """
 
 import os
+import types
 from typing import Callable, Optional
 
 import torch
@@ -28,6 +29,17 @@ from torchtune import generation
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
+
+
+#: Graphs dynamo may keep per code object. Every routed layer class shares ``RoutedSelfAttentionLayer.forward``
+#: and every model ``generate_next_token``: one graph per (layer class, capacity, student mode, grad mode,
+#: prefill or decode step) and per model; torch's default of 8 is reached by one hybrid model with a few
+#: capacities, and with ``fullgraph`` reaching it is an error.
+RECOMPILE_LIMIT = 64
+
+
+def _allow_graphs_per_code_object() -> None:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def routes_with_static_shapes(model: torch.nn.Module) -> bool:
@@ -51,10 +63,18 @@ def compile_layers(
         mode: ``torch.compile`` mode.
     """
     backend = backend or os.environ.get("TORCH_COMPILE_BACKEND", "inductor")
-    fullgraph = routes_with_static_shapes(model) if fullgraph is None else fullgraph
+    static = routes_with_static_shapes(model)
+    fullgraph = static if fullgraph is None else fullgraph
+    _allow_graphs_per_code_object()
+    if isinstance(model, RoutedTransformerDecoder) and next(model.parameters()).device.type != "meta":
+        for layer in model.routed_layers():
+            layer.routing_counts()  # create the counters now: their creation in a forward would be one more graph
     for module in model.modules():
         if isinstance(module, TransformerSelfAttentionLayer):
-            module.compile(backend=backend, fullgraph=fullgraph, mode=mode)
+            # Threshold graphs specialise on each selected count (``dynamic=False``): few per batch size, and
+            # inductor (torch 2.13, CPU) generated code with an unbound size symbol for the count-dependent
+            # pieces when it was left to mark them dynamic.
+            module.compile(backend=backend, fullgraph=fullgraph, mode=mode, dynamic=None if static else False)
     return model
 
 
@@ -70,10 +90,24 @@ def compiled_decode_step(
     """
     if isinstance(model, RoutedTransformerDecoder):
         model.use_static_kv_caches()
+        for layer in model.routed_layers():
+            layer.routing_counts()
     if mode is None:
         on_cuda = next(model.parameters()).device.type == "cuda"
         mode = "reduce-overhead" if on_cuda else None
     backend = backend or os.environ.get("TORCH_COMPILE_BACKEND", "inductor")
-    return torch.compile(
-        generation.generate_next_token, backend=backend, mode=mode, fullgraph=routes_with_static_shapes(model)
-    )
+    _allow_graphs_per_code_object()
+    return torch.compile(_own_copy(generation.generate_next_token), backend=backend, mode=mode,
+                         fullgraph=routes_with_static_shapes(model))
+
+
+def _own_copy(function: Callable) -> Callable:
+    """``function`` with a code object of its own. Dynamo keeps compiled graphs per code object, shared by every
+    ``torch.compile`` of that function: two models' decode steps (one ``fullgraph``, one with threshold graph
+    breaks) would share one cache, and measured here a dense model's compiled step then kept running eager code.
+    A copy per model keeps each step's graphs apart."""
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = dict(function.__kwdefaults__ or {})
+    copy.__doc__, copy.__module__, copy.__qualname__ = function.__doc__, function.__module__, function.__qualname__
+    return copy

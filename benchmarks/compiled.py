@@ -1,0 +1,472 @@
+"""Compiled and eager, routed against dense, for the recipes the study recommends (issue 47 §5).
+
+    python -m benchmarks.compiled                          # SmolLM2-135M shape, the study's recipes exactly as trained
+    python -m benchmarks.compiled --shape 0_5b             # Qwen2.5-0.5B shape, the papers' setting (MoD / SDT / STT)
+    python -m benchmarks.compiled --shape tiny --quick     # smoke run, a minute
+
+One process builds every model with random weights and one shared backbone (``common.build_sharing``), then
+times each workload for every model in interleaved rounds (A B C, B C A, …), eager and compiled
+(``torchtune_dtf.training.compile``: every layer compiled by inductor, static KV caches; on a GPU decoding goes
+through one compiled ``generate_next_token`` with CUDA graphs, the gpt-fast pattern). Each ratio is the median over rounds of
+the per-round ratio against dense *in the same mode*; beside it the closed-form FLOP ratio (the ideal,
+``closed_form.py``) and, per call, the operators the CPU ran (aten ops in the profiler).
+
+Workloads: prefill b1 × T (the full-prompt forward of log-likelihood evaluation, no cache; per-sequence top-k
+student, exactly ⌊γ·T⌋ tokens per routed layer), greedy decode b1 at context C (a threshold student calibrated
+to execute γ of the prompt's tokens; top-k needs ⌊γ·b⌋ ≥ 1 rows, so b1 cannot use it), decode b8 at context C
+with the top-k student (the per-step budget, static shapes), and one training step b1 × T_train (teacher
+forward + backward of the LM and auxiliary losses; the distillation teacher's forward is left out, as it is the
+dense model's). Results: ``benchmarks/results/compiled_<shape>/results.{json,md}``.
+"""
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+from omegaconf import OmegaConf
+from torchtune import generation
+from torchtune.modules.common_utils import delete_kv_caches
+
+from benchmarks import closed_form as cf
+from benchmarks.common import (
+    REPO,
+    build_sharing,
+    calibrate_student_threshold,
+    cast_params,
+    causal_cache_mask,
+    config_routing,
+    interleaved,
+    median,
+    paired_ratio,
+    set_threads,
+    subnormals_flushed,
+    sync,
+)
+from torchtune_dtf.models import qwen2_5
+from torchtune_dtf.models.qwen2_5 import QWEN2_5_SHAPES
+from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
+from torchtune_dtf.training.compile import compile_layers, compiled_decode_step
+from torchtune_dtf.training.routing_losses import training_loss
+
+FRONTIER = "experiments/frontier/study.yaml"
+BUDGET = "experiments/budget_cpu200/study.yaml"
+#: SmolLM2-135M shape: (label, study file, run name). The study's recommended recipe at each level next to
+#: layer dropping at about its FLOPs, and the papers' setting, each built from the run's config + overrides.
+SMOLLM2_RECIPES = [
+    ("dense", FRONTIER, "dense"),
+    ("stt_papers_50", FRONTIER, "stt_papers_50"),
+    ("hybrid_0.90", BUDGET, "stt_d4_bi2_g625_all_nocurr_fixedcrit_bias_rlr10"),
+    ("layerdrop_4", FRONTIER, "layerdrop_4_distill_bias"),
+    ("hybrid_0.81", BUDGET, "stt_d5_bi6_all_nocurr_fixedcrit_bias_rlr10"),
+    ("layerdrop_7", FRONTIER, "layerdrop_7_distill"),
+    ("hybrid_0.72", FRONTIER, "stt_d6_bi10_all_rlr10"),
+    ("layerdrop_10", FRONTIER, "layerdrop_10_distill"),
+]
+#: Layer dropping the recommended recipe at each level is compared with (about the same FLOPs).
+BASELINE_OF = {"hybrid_0.90": "layerdrop_4", "hybrid_0.81": "layerdrop_7", "hybrid_0.72": "layerdrop_10"}
+
+
+def study_run(study_file: str, name: str) -> Dict:
+    """A run's definition (config file, overrides) from a study YAML, following its ``runs_from``."""
+    study = OmegaConf.to_container(OmegaConf.load(REPO / study_file), resolve=True)
+    for run in study.get("runs", []):
+        if run["name"] == name:
+            return run
+    source = study.get("runs_from")
+    if source and name in source["names"]:
+        return study_run(source["study"], name)
+    raise KeyError(f"{study_file} defines no run {name!r}")
+
+
+def model_section(study_file: str, name: str) -> Dict:
+    """The run's ``model`` config section with its ``model.*`` overrides applied (``_component_`` dropped)."""
+    run = study_run(study_file, name)
+    section = OmegaConf.to_container(OmegaConf.load(REPO / run["config"]).model, resolve=True)
+    for key, value in run["overrides"].items():
+        if key.startswith("model."):
+            section[key.removeprefix("model.")] = value
+    section.pop("_component_")
+    return section
+
+
+def plan_models(shape: str) -> Dict[str, Dict]:
+    """``{label: routed_qwen2 kwargs}`` (architecture + routing) for the shape's benchmark set."""
+    if shape == "smollm2":
+        return {label: model_section(study, name) for label, study, name in SMOLLM2_RECIPES}
+    architecture = dict(QWEN2_5_SHAPES[shape])
+    if shape == "tiny":
+        architecture.update(vocab_size=512, max_seq_len=256)
+    models = {"dense": dict(architecture, variant="dense")}
+    for variant in ("mod", "sdt", "stt"):
+        routing = config_routing(variant)
+        routing.update(routed_layers="every_other", gate="scaled", always_run_first_token=False)  # the papers
+        models[f"{variant}_papers_50"] = dict(architecture, variant=variant, **routing)
+    return models
+
+
+def with_student(section: Dict, student: str) -> Dict:
+    """The section with the timing's student: ``topk`` (exact ⌊γ·n⌋; whole-sequence top-k permitted for a
+    cache-less prefill) or ``threshold`` (calibrated afterwards)."""
+    if section["variant"] in ("dense", "layerdrop", "random"):
+        return section
+    section = dict(section)
+    if student == "topk":
+        section.update(student_routing_mode="topk", student_threshold=None, allow_noncausal_student_topk=True)
+    else:
+        section.update(student_routing_mode="threshold", student_threshold=0.5)
+    return section
+
+
+def build_models(sections: Dict[str, Dict], student: str, device: torch.device, dtype: torch.dtype,
+                 seed: int = 0) -> Dict[str, torch.nn.Module]:
+    """Every model of ``sections`` on ``device``, floating parameters in ``dtype`` (buffers such as RoPE tables
+    keep theirs), all sharing the dense model's backbone parameter objects."""
+    torch.manual_seed(seed)
+    dense = qwen2_5.routed_qwen2(**sections["dense"]).eval()
+    models = {"dense": dense}
+    for label, section in sections.items():
+        if label != "dense":
+            section = with_student(section, student)
+            models[label] = build_sharing(dense, lambda s=section: qwen2_5.routed_qwen2(**s), seed=seed)
+    for model in models.values():
+        model.to(device)  # in place: shared parameters stay shared
+        cast_params(model, dtype)
+    return models
+
+
+def flop_ratios(sections: Dict[str, Dict], prefill_len: int, context: int, context_b8: int, train_len: int,
+                executed: Dict[str, Dict[int, float]], decode_batches=(8,)) -> Dict[str, Dict[str, float]]:
+    """Closed-form routed/dense FLOP ratios: prefill (⌊γ·T⌋ per routed layer), decode b1 at ``context`` with the
+    measured executed fractions, training step (teacher mode)."""
+    out = {}
+    shape = cf.model_shape_from_config(sections["dense"])
+    dense_routing = cf.RoutingShape.dense()
+    for label, section in sections.items():
+        routing = cf.routing_shape_from_model_config(section, shape.num_layers, shape.embed_dim)
+        fractions = executed.get(label, {})
+        rows = {i: fractions.get(i, g) for i, g in routing.gamma_of().items()}
+        kv = {i: rows[i] * (context if routing.skipped_tokens_write_kv else rows[i] * context) for i in rows}
+        out[label] = {
+            "prefill": cf.flop_ratio(shape, routing, prefill_len),
+            "decode_b1": cf.decode_step_flops(shape, routing, batch=1, context=context, rows=rows, kv_entries=kv)
+            / cf.decode_step_flops(shape, dense_routing, batch=1, context=context),
+            "train": cf.flop_ratio(shape, routing, train_len, training=True),
+            **{f"decode_b{b}": cf.decode_step_flops(shape, routing, batch=b, context=context_b8)
+               / cf.decode_step_flops(shape, dense_routing, batch=b, context=context_b8) for b in decode_batches},
+        }
+    return out
+
+
+def count_ops(fn: Callable[[], object]) -> int:
+    """Operators one call runs on the CPU: aten ops recorded by the profiler (compiled kernels count as the
+    ops they replaced only where inductor left them as aten calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+
+def prefill_fns(models: Dict[str, torch.nn.Module], tokens: torch.Tensor) -> Dict[str, Callable]:
+    def run(model):
+        def fn():
+            with torch.inference_mode():
+                model(tokens)
+            sync(tokens.device)
+        return fn
+    return {label: run(model) for label, model in models.items()}
+
+
+class Decoder:
+    """Greedy decoding of ``steps`` tokens after a cached prefill of ``prompt [b, C]``: ``prepare()`` sets up the
+    caches and runs the prefill (untimed), each call of the instance runs the decode steps (and waits for them)."""
+
+    def __init__(self, model, prompt: torch.Tensor, steps: int, compiled: bool, dtype: torch.dtype) -> None:
+        self.model, self.prompt, self.steps, self.compiled, self.dtype = model, prompt, steps, compiled, dtype
+        self.step_fn = compiled_decode_step(model) if compiled else generation.generate_next_token
+        batch, context = prompt.shape
+        self.max_len = context + steps + 1
+        self.masks = causal_cache_mask(batch, self.max_len, self.max_len, device=prompt.device)
+
+    def prepare(self) -> None:
+        if self.model.caches_are_setup():
+            delete_kv_caches(self.model)
+        with torch.device(self.prompt.device):
+            self.model.setup_caches(batch_size=self.prompt.shape[0], dtype=self.dtype, decoder_max_seq_len=self.max_len)
+        context = self.prompt.shape[1]
+        with torch.inference_mode():
+            self.token, _ = generation.generate_next_token(
+                self.model, torch.arange(context, device=self.prompt.device), self.prompt,
+                mask=self.masks[:, :context], temperature=1.0, top_k=1)
+        sync(self.prompt.device)
+
+    def __call__(self) -> None:
+        batch, context = self.prompt.shape
+        token = self.token
+        with torch.inference_mode():
+            for t in range(context, context + self.steps):
+                position = torch.full((batch, 1), t, device=self.prompt.device)
+                token, _ = self.step_fn(self.model, position, token, mask=self.masks[:, t : t + 1], temperature=1.0, top_k=1)
+        sync(self.prompt.device)
+
+
+def decode_times(decoders: Dict[str, Decoder], rounds: int) -> Dict[str, List[float]]:
+    """Per-step decode time of each model, interleaved; every round re-runs each model's prefill (untimed)."""
+    times = {label: [] for label in decoders}
+    labels = list(decoders)
+    for r in range(rounds + 1):  # round 0 warms up (compiles)
+        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+            decoder = decoders[label]
+            decoder.prepare()
+            start = time.perf_counter()
+            decoder()
+            if r:
+                times[label].append((time.perf_counter() - start) / decoder.steps)
+    return times
+
+
+def train_step_fn(model, tokens: torch.Tensor) -> Callable:
+    """One teacher-mode forward + backward (LM loss and the auxiliary losses with the 0.5B configs' weights)."""
+    routed = any(isinstance(m, RoutedSelfAttentionLayer) for m in model.modules())
+
+    def fn():
+        routing = RoutingContext(mode="teacher", beta_ce=100.0, beta_cu=100.0) if routed else None
+        logits = model(tokens, routing=routing)
+        lm = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss, _ = training_loss(lm, routing, (0.05, 0.01, 0.0) if routed else None)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        sync(tokens.device)
+    return fn
+
+
+def summarize(times: Dict[str, List[float]], flops: Dict[str, float]) -> Dict[str, Dict]:
+    return {
+        label: {"median_s": median(t), "ratio": paired_ratio(times, label, "dense"), "flop_ratio": flops.get(label)}
+        for label, t in times.items()
+    }
+
+
+def run(args) -> Dict:
+    set_threads(args.threads)
+    device, dtype = torch.device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    torch.manual_seed(0)
+    sections = plan_models(args.shape)
+    if args.models:
+        unknown = sorted(set(args.models) - set(sections))
+        if unknown:
+            raise SystemExit(f"unknown --models {unknown}; this shape has {sorted(sections)}")
+        sections = {label: sections[label] for label in ["dense", *[m for m in args.models if m != "dense"]]}
+    vocab = sections["dense"]["vocab_size"]
+    results: Dict = {
+        "command": "python -m benchmarks.compiled " + " ".join(sys.argv[1:]),
+        "date": date.today().isoformat(),
+        "device": (f"{torch.cuda.get_device_name(device)}" if device.type == "cuda"
+                   else f"CPU {platform.processor() or platform.machine()}, {args.threads} threads")
+        + f", {args.dtype}, torch {torch.__version__}",
+        "shape": args.shape, "prefill_len": args.prefill_len, "context": args.context, "context_b8": args.context_b8,
+        "decode_steps": args.decode_steps,
+        "train_len": args.train_len, "rounds": args.rounds, "prefill_batch": args.prefill_batch,
+        "train_batch": args.train_batch, "decode_batches": args.decode_batches, "models": {k: {kk: vv for kk, vv in v.items()
+                                                                          if kk not in ("vocab_size",)}
+                                                                      for k, v in sections.items()},
+        "sections": {},
+    }
+    gen = torch.Generator().manual_seed(1)
+    prompt_1 = torch.randint(0, vocab, (1, args.context), generator=gen).to(device)
+    prompts = {b: torch.randint(0, vocab, (b, args.context_b8), generator=gen).to(device) for b in args.decode_batches}
+    prefill_tokens = torch.randint(0, vocab, (args.prefill_batch, args.prefill_len), generator=gen).to(device)
+    train_tokens = torch.randint(0, vocab, (args.train_batch, args.train_len), generator=gen).to(device)
+
+    def log(msg):
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    def save():
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        (out / "results.md").write_text(render(results))
+
+    executed: Dict[str, Dict[int, float]] = {}
+    with subnormals_flushed(True):
+        for mode in args.modes:
+            compiled = mode == "compiled"
+            torch._dynamo.reset()
+            section = results["sections"].setdefault(mode, {})
+            # Threshold students (decode b1), calibrated to execute γ of a calibration prompt.
+            models = build_models(sections, "threshold", device, dtype)
+            calib = torch.randint(0, vocab, (1, min(256, args.context)), generator=torch.Generator().manual_seed(2)).to(device)
+            for label, model in models.items():
+                layers = [m for m in model.modules() if isinstance(m, RoutedSelfAttentionLayer)]
+                if layers:
+                    capacity = {m.layer_idx: m.capacity for m in layers}
+                    after = calibrate_student_threshold(model, calib, median(capacity.values()))
+                    executed.setdefault(label, after)
+            # On a GPU a decode step is one compiled graph (CUDA graphs replay it); on the CPU, where launches
+            # cost little and one graph of every layer takes minutes to compile, the layers compile one by one.
+            whole_step = compiled and device.type == "cuda"
+            if compiled and not whole_step:
+                for model in models.values():
+                    model.use_static_kv_caches()
+                    compile_layers(model)
+            if "decode_b1" in args.workloads:
+                log(f"{mode}: decode b1 at context {args.context}")
+                decoders = {label: Decoder(model, prompt_1, args.decode_steps, whole_step, dtype)
+                            for label, model in models.items()}
+                times = decode_times(decoders, args.rounds)
+                for label, model in models.items():
+                    model.reset_routing_counters() if hasattr(model, "reset_routing_counters") else None
+                    decoders[label].prepare()
+                    if hasattr(model, "reset_routing_counters"):
+                        model.reset_routing_counters()
+                    decoders[label]()
+                    executed[label] = model.executed_fractions() if hasattr(model, "executed_fractions") else {}
+                ops = {}
+                for label, decoder in decoders.items():
+                    decoder.prepare()
+                    decoder()  # warm: the first calls of a compiled step can still run eager code
+                    decoder.prepare()
+                    one = Decoder.__new__(Decoder)
+                    one.__dict__.update(decoder.__dict__, steps=1)
+                    ops[label] = count_ops(one)
+                section["decode_b1"] = {"times": times, "ops_per_step": ops, "executed_fraction": executed.copy()}
+                for model in models.values():
+                    delete_kv_caches(model)
+                save()
+            del models
+            models = build_models(sections, "topk", device, dtype)
+            if compiled:
+                for model in models.values():
+                    model.use_static_kv_caches()
+                    compile_layers(model)
+            if "prefill" in args.workloads:
+                log(f"{mode}: prefill b{args.prefill_batch} × {args.prefill_len}")
+                fns = prefill_fns(models, prefill_tokens)
+                times = interleaved(fns, rounds=args.rounds, warmup=1)
+                section["prefill"] = {"times": times}
+                save()
+            for batch in args.decode_batches if "decode_topk" in args.workloads else ():
+                log(f"{mode}: decode b{batch} at context {args.context_b8} (top-k student)")
+                decoders = {label: Decoder(model, prompts[batch], args.decode_steps, whole_step, dtype)
+                            for label, model in models.items()}
+                section[f"decode_b{batch}"] = {"times": decode_times(decoders, args.rounds)}
+                for model in models.values():
+                    delete_kv_caches(model)
+                save()
+            if "train" in args.workloads:
+                log(f"{mode}: training step b{args.train_batch} × {args.train_len}")
+                for model in models.values():
+                    model.train()
+                fns = {label: train_step_fn(model, train_tokens) for label, model in models.items()}
+                section["train"] = {"times": interleaved(fns, rounds=args.rounds, warmup=2)}
+                for model in models.values():
+                    model.eval()
+                save()
+            del models
+    results["flop_ratios"] = flop_ratios(sections, args.prefill_len, args.context, args.context_b8, args.train_len,
+                                         executed, args.decode_batches)
+    save()
+    return results
+
+
+def render(results: Dict) -> str:
+    flops = results.get("flop_ratios", {})
+    lines = [
+        f"# Compiled and eager, routed / dense ({results['shape']} shape)", "",
+        f"`{results['command']}` — {results['date']}, {results['device']}; median over {results['rounds']} "
+        "interleaved rounds of each round's model/dense ratio in the same mode (dense = 1). FLOPs: closed form "
+        "(`benchmarks/closed_form.py`), the ideal.", "",
+    ]
+    workloads = [("prefill", f"prefill b{results.get('prefill_batch', 1)} × {results['prefill_len']}"),
+                 ("decode_b1", f"decode b1, context {results['context']} (threshold student)"),
+                 *((f"decode_b{b}", f"decode b{b}, context {results['context_b8']} (top-k student)")
+                   for b in results.get("decode_batches", [8])),
+                 ("train", f"training step b{results.get('train_batch', 1)} × {results['train_len']}")]
+    for key, title in workloads:
+        rows = []
+        for label in results["models"]:
+            cells = [label]
+            ref = None
+            for mode in ("eager", "compiled"):
+                entry = results["sections"].get(mode, {}).get(key)
+                if entry is None:
+                    cells += ["", ""]
+                    continue
+                times = entry["times"]
+                cells += [f"{1e3 * median(times[label]):.1f}", f"{paired_ratio(times, label, 'dense'):.3f}"]
+                if mode == "eager":
+                    ref = times
+            ratio = flops.get(label, {}).get(key)
+            cells.append(f"{ratio:.3f}" if ratio is not None else "")
+            rows.append(cells)
+        if not any(any(c for c in row[1:5]) for row in rows):
+            continue
+        lines += [f"## {title}", "", "| model | eager ms | eager / dense | compiled ms | compiled / dense | FLOPs / dense |",
+                  "|---|---|---|---|---|---|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+        if key == "decode_b1":
+            for mode in ("eager", "compiled"):
+                entry = results["sections"].get(mode, {}).get(key)
+                if entry:
+                    ops = entry["ops_per_step"]
+                    lines.append(f"aten ops per decode step ({mode}): " + ", ".join(
+                        f"{label} {n} ({n / ops['dense']:.2f}×)" for label, n in ops.items()))
+            entry = results["sections"].get("eager", {}).get(key) or results["sections"].get("compiled", {}).get(key)
+            if entry:
+                lines.append("executed fraction per routed layer in decode (budget γ): " + "; ".join(
+                    f"{label} {sum(f.values()) / len(f):.2f}" for label, f in entry["executed_fraction"].items() if f))
+            lines.append("")
+    comparisons = []
+    for hybrid, baseline in BASELINE_OF.items():
+        if hybrid not in results["models"]:
+            continue
+        for mode in ("eager", "compiled"):
+            for key, title in workloads:
+                entry = results["sections"].get(mode, {}).get(key)
+                if entry:
+                    t = entry["times"]
+                    comparisons.append(f"| {hybrid} vs {baseline} | {mode} | {title} | "
+                                       f"{paired_ratio(t, hybrid, 'dense') - paired_ratio(t, baseline, 'dense'):+.3f} |")
+    if comparisons:
+        lines += ["## Recommended recipe − layer dropping at about its FLOPs (time / dense)", "",
+                  "| pair | mode | workload | difference |", "|---|---|---|---|", *comparisons, ""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="smollm2", choices=["smollm2", "0_5b", "tiny"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefill-len", type=int, default=1024)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--context-b8", type=int, default=256, help="prompt length of the top-k (batched) decodes")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[8], help="batch sizes of the top-k decodes")
+    parser.add_argument("--prefill-batch", type=int, default=1)
+    parser.add_argument("--train-batch", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--models", nargs="+", default=None, help="labels to run (dense is always run)")
+    parser.add_argument("--train-len", type=int, default=512)
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--workloads", nargs="+", default=["prefill", "decode_b1", "decode_topk", "train"],
+                        choices=["prefill", "decode_b1", "decode_topk", "train"])
+    parser.add_argument("--quick", action="store_true", help="short lengths and one round (smoke run)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.prefill_len, args.context, args.context_b8, args.decode_steps, args.train_len = 1, 64, 64, 32, 4, 64
+    if args.out is None:
+        args.out = str(REPO / "benchmarks" / "results" / f"compiled_{args.shape}{'_quick' if args.quick else ''}")
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
