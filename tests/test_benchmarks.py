@@ -422,3 +422,28 @@ def test_gpu_script_runs_its_checks_and_timings_as_a_cpu_smoke_run(tmp_path):
     profiled = {(r["call"].split()[0], r["model"]) for r in results["profile"]}
     assert profiled == {(call, m) for call in ("prefill", "decode") for m in ("dense", "mod", "sdt", "stt")}
     assert "### Checks: all pass" in (tmp_path / "results.md").read_text()
+
+
+def test_compiled_benchmark_times_every_model_and_workload_against_dense(tmp_path):
+    """`python -m benchmarks.compiled` (eager rows here; the compiled rows run in the gpu smoke test above):
+    every model and workload timed in the same run as dense, next to its closed-form FLOP ratio."""
+    from benchmarks import compiled
+
+    torch.manual_seed(0)
+    results = compiled.main(["--shape", "tiny", "--quick", "--modes", "eager", "--out", str(tmp_path)])
+    models = set(results["models"])
+    assert models == {"dense", "mod_papers_50", "sdt_papers_50", "stt_papers_50"}
+    eager = results["sections"]["eager"]
+    assert set(eager) == {"prefill", "decode_b1", "decode_b8", "train"}
+    for workload, entry in eager.items():
+        assert set(entry["times"]) == models and all(t and min(t) > 0 for t in entry["times"].values()), workload
+    for label, ratios in results["flop_ratios"].items():
+        if label == "dense":
+            assert all(r == 1.0 for r in ratios.values())
+        else:  # γ = 0.5 on every other layer saves inference compute; STT's dense teacher pass costs training some back
+            assert all(0.5 < ratios[w] < 1.0 for w in ("prefill", "decode_b1", "decode_b8")), (label, ratios)
+            assert 0.5 < ratios["train"] < (1.05 if label.startswith("stt") else 1.0), (label, ratios)
+    ops = eager["decode_b1"]["ops_per_step"]
+    assert set(ops) == models and all(n > 0 for n in ops.values())
+    report = (tmp_path / "results.md").read_text()
+    assert "## prefill b1 × 64" in report and "aten ops per decode step (eager)" in report
