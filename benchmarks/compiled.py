@@ -322,7 +322,6 @@ def run(args) -> Dict:
                             for label, model in models.items()}
                 times = decode_times(decoders, args.rounds)
                 for label, model in models.items():
-                    model.reset_routing_counters() if hasattr(model, "reset_routing_counters") else None
                     decoders[label].prepare()
                     if hasattr(model, "reset_routing_counters"):
                         model.reset_routing_counters()

@@ -15,7 +15,7 @@ Two ways to hold the entries:
 * growing (the default): memory follows what runs. The buffers start at ``initial_entries`` per row (the
   layer's capacity γ·max_seq_len, see ``RoutedSelfAttentionLayer.setup_caches``) and grow by a quarter, up
   to ``max_seq_len``, only when a row would overflow them. The cache keeps on the host an upper bound of the
-  fullest row (it adds the slots each write offers), so it reads the true fill levels back from the device
+  fullest row (raised by what the decoder announces before each forward, ``make_room``), so it reads the true fill levels back from the device
   only when that bound says the buffers might overflow, and attention reads entries up to the bound.
 * ``static``: ``max_seq_len`` entries per row from the start (the gpt-fast pattern). No write or read ever
   looks at the fill levels on the host and no shape changes, so a compiled decode step is one graph that a
