@@ -69,15 +69,24 @@ stamp "generating with the STT student (torchtune's generate)"
     | sed -n '/^Model is initialized/,/^Time for inference/p' | sed '1d;$d'
 grep "executed fraction per routed layer" "$WORK/generate_stt.log"
 
+# The report and the plots measure the deployed student: the training config with the eval config's student rule
+# (window top-k; training validated and calibrated a threshold student over the same causal router).
+read -r -a DEPLOYED <<< "$("$PY" - <<'PY'
+from omegaconf import OmegaConf
+model = OmegaConf.load("configs/quickstart/eval_stt_smollm2.yaml").model
+keys = ("student_routing_mode", "student_threshold", "student_window")
+print(" ".join(f"model.{k}={'null' if model[k] is None else model[k]}" for k in keys))
+PY
+)"
 stamp "report"
 "$PY" -m torchtune_dtf.evaluation.routing_report \
     --dense configs/quickstart/dense_smollm2.yaml "$WORK/dense/epoch_0" \
     --routed configs/quickstart/stt_smollm2.yaml "$WORK/stt/epoch_0" \
-    --heldout "$WORK/corpus/heldout.jsonl" --windows 16 --seq-len 256 --json "$WORK/report.json"
+    --heldout "$WORK/corpus/heldout.jsonl" --windows 16 --seq-len 256 --json "$WORK/report.json" "${DEPLOYED[@]}"
 
 stamp "plots of the STT run"
 # The config the recipe saved carries the run's overrides; the PNGs go to $WORK/stt/plots. The heat map's passage
 # starts 300 tokens into the held-out text: past the title page of its first work (Milton's L'Allegro), in the verse.
 "$PY" -m torchtune_dtf.evaluation.routing_plots --config "$WORK/stt/torchtune_config.yaml" \
-    --heldout "$WORK/corpus/heldout.jsonl" --passage-start 300
+    --heldout "$WORK/corpus/heldout.jsonl" --passage-start 300 "${DEPLOYED[@]}"
 stamp "done"

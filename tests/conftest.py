@@ -17,6 +17,7 @@ MOD_ROUTING = dict(
     capacity=0.5,
     student_routing_mode="threshold",
     student_threshold=0.5,
+    student_window=None,
     causal_router_input="current",
     causal_router_hidden_dim=16,
     routing_init_std=0.02,

@@ -172,7 +172,9 @@ def test_recipe_calibrates_the_final_student_before_saving(workdir):  # noqa: F8
 @pytest.mark.parametrize("overrides, message", [
     ({"student_calibration.batches": -1}, "student_calibration.batches must be an integer"),
     ({"student_calibration.rounds": 0}, "student_calibration.rounds must be a positive integer"),
-    ({"model.student_routing_mode": "topk"}, "already runs exactly"),
+    ({"model.student_routing_mode": "topk"}, "'topk' already runs γ by rank"),
+    ({"model.student_routing_mode": "window_topk", "model.student_threshold": None, "model.student_window": 16},
+     "'window_topk' already runs γ by rank"),
 ])
 def test_invalid_student_calibration_settings_are_rejected(overrides, message):
     cfg = load_config("stt_train", **overrides)

@@ -134,17 +134,19 @@ def test_topk_routed_layers_compile_whole_and_match_eager(variant, shape, fresh_
     assert counters["stats"]["unique_graphs"] <= 4 * len(kinds), dict(counters["stats"])
 
 
-def test_threshold_decode_keeps_its_graphs_bounded_over_200_steps(fresh_dynamo):
-    # Threshold routing decides a data-dependent number of rows per step: one host read per routed layer,
-    # hence graph breaks, but the graphs must not grow with the number of steps.
+@pytest.mark.parametrize("student", [dict(student_threshold=0.5),
+                                     dict(student_routing_mode="window_topk", student_threshold=None, student_window=8)])
+def test_threshold_decode_keeps_its_graphs_bounded_over_200_steps(student, fresh_dynamo):
+    # Threshold and window top-k routing decide a data-dependent number of rows per step: one host read per
+    # routed layer, hence graph breaks, but the graphs must not grow with the number of steps.
     graphs = []
 
     def counting_backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    model = build_tiny("stt", student_threshold=0.5)
-    eager = build_tiny("stt", student_threshold=0.5)
+    model = build_tiny("stt", **student)
+    eager = build_tiny("stt", **student)
     compile_layers(model, backend=counting_backend, fullgraph=False)
     max_len, steps = 224, 200
     masks = torch.tril(torch.ones(max_len, max_len, dtype=torch.bool))[None].expand(BATCH, -1, -1)

@@ -1,6 +1,8 @@
 """configs/{eval,generate,quickstart}/*.yaml against configs/: shipped configs agree with each other: an eval or
 generate config builds the model its training config trained (same architecture and routing values; LoRA twins are
-evaluated merged, as the plain builder)."""
+evaluated merged, as the plain builder). The student's decision rule is the one deployment choice: an inference
+config may decide with another rule over the same trained causal router (window top-k where training validated
+and calibrated a threshold student)."""
 
 from pathlib import Path
 
@@ -9,6 +11,8 @@ from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 LORA_KEYS = ("lora_attn_modules", "apply_lora_to_mlp", "lora_rank", "lora_alpha", "lora_dropout")
+#: How the trained causal router decides at inference: no weight depends on them.
+STUDENT_RULE_KEYS = ("student_routing_mode", "student_threshold", "student_window")
 INFERENCE_CONFIGS = sorted((REPO / "configs" / "eval").glob("*.yaml")) + sorted((REPO / "configs" / "generate").glob("*.yaml"))
 PAIRS = [(path, REPO / "configs" / path.name) for path in INFERENCE_CONFIGS]
 PAIRS += [(REPO / "configs" / "quickstart" / f"{kind}_stt_smollm2.yaml", REPO / "configs" / "quickstart" / "stt_smollm2.yaml")
@@ -36,5 +40,18 @@ def test_every_inference_config_has_a_training_config():
 def test_inference_config_builds_the_trained_model(inference, train):
     evaluated = OmegaConf.to_container(OmegaConf.load(inference).model, resolve=False)
     trained = merged_model_section(train)
-    differing = {k: (trained.get(k), evaluated.get(k)) for k in set(trained) | set(evaluated) if trained.get(k) != evaluated.get(k)}
+    differing = {k: (trained.get(k), evaluated.get(k)) for k in set(trained) | set(evaluated)
+                 if trained.get(k) != evaluated.get(k) and k not in STUDENT_RULE_KEYS}
     assert not differing, f"{inference.name}: model keys differ from {train.name} (train, eval): {differing}"
+    assert all(k in evaluated for k in STUDENT_RULE_KEYS) == all(k in trained for k in STUDENT_RULE_KEYS)
+
+
+def test_inference_configs_deploy_a_student_that_holds_its_budget_while_generating():
+    # A calibrated threshold holds γ only on text like its calibration text (benchmarks/generation_budget.py);
+    # the dynamic-capacity STT's student follows its teacher's learned fraction, which only a threshold can.
+    rules = {}
+    for inference, _ in PAIRS:
+        model = OmegaConf.load(inference).model
+        if "student_routing_mode" in model:
+            rules[inference.name] = model.student_routing_mode
+    assert rules and {name for name, rule in rules.items() if rule != "window_topk"} == {"stt_dynamic_qwen0_5b.yaml"}

@@ -15,7 +15,7 @@ from tests.conftest import MOD_ROUTING, ROUTED_VARIANTS, SURPRISE_ROUTING, VOCAB
 from torchtune_dtf.data.collate import padded_collate_packed_dense
 from torchtune_dtf.models import validate_routing
 from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
-from torchtune_dtf.modules.selection import segment_topk_selection, sequence_bounds
+from torchtune_dtf.modules.selection import segment_topk_selection, sequence_bounds, window_topk_mask
 from torchtune_dtf.modules.layers import sequence_starts
 from torchtune_dtf.modules.surprise import causal_moving_average, gate_rank_score, static_surprise
 from torchtune_dtf.training.schedules import ScheduledSampling
@@ -377,3 +377,91 @@ def test_per_layer_capacity_follows_the_layers_in_the_order_the_config_lists_the
     assert dict(zip(spec.routed_layers, spec.capacity)) == {14: 0.25, 2: 0.75, 25: 0.5}
     named = validate_routing("stt", 8, **_routing(routed_layers="every_other_inner", capacity=[0.25, 0.5, 0.75]))
     assert dict(zip(named.routed_layers, named.capacity)) == {1: 0.25, 3: 0.5, 5: 0.75}
+
+
+# ------------------------------------------------------------------------------------------------
+# Window top-k students: a causal budget that holds on any text
+# ------------------------------------------------------------------------------------------------
+def reference_window_topk(scores, starts, capacity, width):
+    """Token by token, as written in the docstring: t runs when its mid-rank among the n_t tokens of its
+    sequence among the last `width` (t included) is below γ·n_t."""
+    batch, seq_len = scores.shape
+    mask = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for b in range(batch):
+        first = 0
+        for t in range(seq_len):
+            first = t if (t == 0 or starts[b, t]) else first
+            window = scores[b, max(first, t - width + 1): t + 1]
+            mid_rank = int((window > scores[b, t]).sum()) + 0.5 * int((window == scores[b, t]).sum())
+            mask[b, t] = mid_rank < capacity * window.numel()
+    return mask
+
+
+def test_window_topk_is_the_token_by_token_rule_and_carries_its_window_across_chunks():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 41, generator=gen)
+    starts = torch.zeros(3, 41, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[1, 17] = starts[2, 5] = starts[2, 6] = True  # packed documents, and a one-token sequence
+    width, capacity = 8, 0.375
+    expected = reference_window_topk(scores, starts, capacity, width)
+    empty = torch.zeros(3, width - 1), torch.zeros(3, width - 1, dtype=torch.bool)
+    whole, _, _ = window_topk_mask(scores, starts, capacity, *empty)
+    assert torch.equal(whole, expected)
+    # In chunks (a prefill, then single tokens and a short chunk), carrying the window: the same decisions.
+    recent, recent_valid = empty
+    pieces = []
+    for lo, hi in ((0, 12), (12, 13), (13, 14), (14, 30), (30, 41)):
+        chunk, recent, recent_valid = window_topk_mask(scores[:, lo:hi], starts[:, lo:hi], capacity, recent, recent_valid)
+        pieces.append(chunk)
+    assert torch.equal(torch.cat(pieces, dim=1), expected)
+    # Not position order, not everything: a ranking of the scores.
+    assert 0.25 < expected.float().mean() < 0.5 and not torch.equal(expected[0], expected[1])
+
+
+def test_window_topk_holds_the_budget_where_a_calibrated_threshold_does_not():
+    """bf16 scores, a 64-token window: when the scores shift (a model's own generations are scored unlike the
+    text a threshold was calibrated on) the threshold's executed fraction follows the shift and the window
+    top-k's stays at γ."""
+    torch.manual_seed(0)
+    capacity, width = 0.5, 64
+    calibration = torch.randn(4, 512).bfloat16().float()
+    threshold = torch.quantile(calibration, 1 - capacity)
+    drifted = (torch.randn(4, 512) + 1.5).bfloat16().float()  # text the router scores higher
+    starts = torch.zeros(4, 512, dtype=torch.bool)
+    starts[:, 0] = True
+    empty = torch.zeros(4, width - 1), torch.zeros(4, width - 1, dtype=torch.bool)
+    for scores, label in ((calibration, "calibration text"), (drifted, "drifted text")):
+        window, _, _ = window_topk_mask(scores, starts, capacity, *empty)
+        assert abs(window.float().mean() - capacity) < 0.03, label
+    assert (drifted > threshold).float().mean() > 0.85  # the fixed threshold runs most of the shifted text
+    window, _, _ = window_topk_mask(drifted, starts, capacity, *empty)
+    assert torch.equal(window, reference_window_topk(drifted, starts, capacity, width))
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_window_topk_student_runs_its_budget_and_is_causal(variant, tokens):
+    model = build_tiny(variant, student_routing_mode="window_topk", student_threshold=None, student_window=6)
+    ctx = RoutingContext(mode="student")
+    model(tokens, routing=ctx)
+    prefix = tokens.shape[1] // 2
+    ctx_prefix = RoutingContext(mode="student")
+    model(tokens[:, :prefix], routing=ctx_prefix)
+    for layer in routed_layers(model):
+        record = ctx.layers[layer.layer_idx]
+        starts = torch.zeros_like(record.selected_mask)
+        starts[:, 0] = True  # one sequence per row; the tiny configs do not force the first token
+        expected = reference_window_topk(record.student_logits, starts, layer.capacity, 6)
+        assert torch.equal(record.selected_mask, expected)
+        assert 0 < record.selected_mask.float().mean() < 1
+        # Causal: the decisions on a prefix are the decisions of the whole text on that prefix.
+        assert torch.equal(ctx_prefix.layers[layer.layer_idx].selected_mask, record.selected_mask[:, :prefix])
+
+
+def test_window_topk_needs_its_window():
+    with pytest.raises(ValueError, match="student_window must be an integer ≥ 2"):
+        validate_routing("stt", 4, **_routing(student_routing_mode="window_topk", student_threshold=None, student_window=1))
+    with pytest.raises(ValueError, match="missing required routing hyperparameter.*student_window"):
+        routing = _routing()
+        routing.pop("student_window")
+        validate_routing("stt", 4, **routing)

@@ -65,6 +65,35 @@ def test_prefill_then_decode_matches_full_forward(variant, tokens):
         assert 0 < ran.sum() < ran.numel(), "a routed layer that runs every token (or none) proves nothing"
 
 
+WINDOW_TOPK = dict(student_routing_mode="window_topk", student_threshold=None, student_window=5)
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_window_topk_decode_matches_full_forward(variant, tokens):
+    # The window (5 tokens) is shorter than the prompt (9): decoding must carry the last 4 scores per row.
+    model = build_tiny(variant, **WINDOW_TOPK)
+    executed, routed, _ = check_decode_matches_full_forward(model, tokens)
+    for layer in routed:
+        ran = executed[layer.layer_idx]
+        assert 0 < ran.sum() < ran.numel()
+        assert layer.attn.kv_cache.recent_scores.shape == (tokens.shape[0], 4)
+
+
+def test_window_topk_left_padded_batch_generates_like_each_row_alone():
+    # Left pads start sequences of their own: a row's window never holds its pads' scores.
+    model = build_tiny("stt", **WINDOW_TOPK)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (7, 4, 10)]
+    width = max(len(p) for p in prompts)
+    batch = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    with local_kv_cache(model, batch_size=3, device=torch.device("cpu"), dtype=torch.float32, decoder_max_seq_len=width + 12):
+        together, _ = generate(model, batch, max_generated_tokens=12, pad_id=0, temperature=1.0, top_k=1)
+    for row, prompt in enumerate(prompts):
+        with local_kv_cache(model, batch_size=1, device=torch.device("cpu"), dtype=torch.float32, decoder_max_seq_len=len(prompt) + 12):
+            alone, _ = generate(model, prompt[None], max_generated_tokens=12, pad_id=0, temperature=1.0, top_k=1)
+        assert together[row, width:].tolist() == alone[0, len(prompt):].tolist()
+
+
 def test_skipped_tokens_write_no_kv(tokens):
     model = build_tiny("stt", student_threshold=0.5)
     model.setup_caches(batch_size=3, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)

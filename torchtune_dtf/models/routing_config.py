@@ -21,6 +21,7 @@ COMMON_KEYS = (
     "capacity",
     "student_routing_mode",
     "student_threshold",
+    "student_window",
     "causal_router_input",
     "causal_router_hidden_dim",
     "routing_init_std",
@@ -65,7 +66,7 @@ REQUIRED_KEYS = {
 #: Routing keys made required after runs had saved configs and checkpoints without them, each with the value
 #: that computes what such a run computed: a saved config that lacks one loads with it (:func:`with_keys_added_later`),
 #: and the recipe resumes such a checkpoint while the config holds that value.
-KEYS_ADDED_LATER: Dict[str, Any] = {"dropped_layers": [], "skip_update": "none"}
+KEYS_ADDED_LATER: Dict[str, Any] = {"dropped_layers": [], "skip_update": "none", "student_window": None}
 
 
 def with_keys_added_later(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -91,6 +92,7 @@ class RoutingSpec:
     capacity: List[float]
     student_routing_mode: Optional[str] = None
     student_threshold: Optional[float] = None
+    student_window: Optional[int] = None
     causal_router_input: Optional[str] = None
     causal_router_hidden_dim: Optional[int] = None
     routing_init_std: Optional[float] = None
@@ -213,11 +215,14 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
             capacities = capacity_per_layer(routing.get("routed_layers", layers), layers, as_list)
 
     mode = values.get("student_routing_mode")
-    if "student_routing_mode" in routing and mode not in ("threshold", "topk"):
-        problems.append(f"unknown student_routing_mode {mode!r}; expected 'threshold' or 'topk'")
+    if "student_routing_mode" in routing and mode not in ("threshold", "topk", "window_topk"):
+        problems.append(f"unknown student_routing_mode {mode!r}; expected 'threshold', 'topk' or 'window_topk'")
     threshold = values.get("student_threshold")
     if mode == "threshold" and "student_threshold" in routing and not (_is_real(threshold) and 0 <= threshold < 1):
         problems.append(f"student_threshold must be in [0, 1) for threshold routing, got {threshold!r}")
+    width = values.get("student_window")
+    if mode == "window_topk" and "student_window" in routing and not (_is_int(width) and width >= 2):
+        problems.append(f"student_window must be an integer ≥ 2 (tokens) for window_topk routing, got {width!r}")
     if "causal_router_input" in routing and routing["causal_router_input"] not in ("current", "current_previous"):
         problems.append(
             f"unknown causal_router_input {routing['causal_router_input']!r}; expected 'current' or 'current_previous'"

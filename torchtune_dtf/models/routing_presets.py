@@ -3,8 +3,8 @@
 Configs list every routing value explicitly (there are no defaults in code). A script that builds a model
 directly would otherwise copy 12 to 18 keys out of a YAML file; these functions return the same complete
 keyword dict, optionally with some values changed. ``tests/test_builders.py`` checks that each preset equals
-the ``model:`` routing values of ``configs/{mod,sdt,stt}_qwen0_5b.yaml`` (and of their LoRA, eval and generate
-twins), so the presets and the configs cannot drift apart.
+the ``model:`` routing values of ``configs/{mod,sdt,stt}_qwen0_5b.yaml`` and their LoRA twins (and, with
+:data:`DEPLOYED_STUDENT`, of their eval and generate twins), so the presets and the configs cannot drift apart.
 
 The presets are the shipped configs, not the papers' settings: they route ``every_other_inner`` (the papers:
 ``every_other``, which routes the last layer), always run the first token (papers: not), and SDT/STT use the
@@ -17,6 +17,7 @@ Example:
     >>> mod = mod_qwen2_5_1_5b(**mod_routing(capacity=0.25))   # the MoD config at γ = 0.25, on 1.5B
 """
 
+from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping
 
 from torchtune_dtf.models.routing_config import REQUIRED_KEYS
@@ -27,6 +28,7 @@ _MOD = dict(
     capacity=0.5,
     student_routing_mode="threshold",
     student_threshold=0.5,
+    student_window=None,
     causal_router_input="current",
     causal_router_hidden_dim=256,
     routing_init_std=0.02,
@@ -106,6 +108,13 @@ def stt_routing(**overrides: Any) -> Dict[str, Any]:
     """
     return _preset("stt", _STT, overrides)
 
+
+#: The student rule of the shipped eval and generate configs (``configs/{eval,generate}/``), which deploy the trained
+#: causal router as a window top-k (it holds γ on generated text; the training configs validate and calibrate a
+#: threshold student): ``stt_routing(**DEPLOYED_STUDENT)`` is ``configs/eval/stt_qwen0_5b.yaml``'s routing.
+DEPLOYED_STUDENT: Mapping[str, Any] = MappingProxyType(
+    dict(student_routing_mode="window_topk", student_threshold=None, student_window=64)
+)
 
 #: Preset of each routed variant, by name.
 ROUTING_PRESETS: Dict[str, Callable[..., Dict[str, Any]]] = {"mod": mod_routing, "sdt": sdt_routing, "stt": stt_routing}

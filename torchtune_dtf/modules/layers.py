@@ -28,6 +28,7 @@ from torchtune_dtf.modules.selection import (
     mask_selection,
     row_selection,
     segment_topk_selection,
+    window_topk_mask,
 )
 from torchtune_dtf.modules.selective_kv_cache import SelectiveKVCache
 from torchtune_dtf.modules.surprise import (
@@ -51,7 +52,7 @@ ROUTING_MODULE_GROUPS = {  # group order = the optimizer's param-group order, wh
     "skip_bias": "routers",
 }
 ROUTING_MODULE_NAMES = tuple(ROUTING_MODULE_GROUPS)
-STUDENT_ROUTING_MODES = ("threshold", "topk")
+STUDENT_ROUTING_MODES = ("threshold", "topk", "window_topk")
 TEACHER_SELECTIONS = ("topk", "threshold")
 GATE_MODES = ("scaled", "straight_through")
 SKIP_UPDATES = ("none", "predicted", "bias")
@@ -103,9 +104,14 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         layer_idx (int): index of this layer in the decoder (key of its :class:`LayerRouting`).
         capacity (float): γ ∈ (0, 1]; top-k keeps ⌊γ·n⌋ tokens of each sequence of n tokens.
         causal_router (CausalRouter): the student.
-        student_routing_mode (str): ``"threshold"`` (σ(r̃) > τ, causal; evaluation) or ``"topk"``
-            (per-sequence top-k on a cached prefill, per-step top ⌊γ·b⌋ rows when decoding; docs/design.md §4).
+        student_routing_mode (str): ``"threshold"`` (σ(r̃) > τ, causal; evaluation), ``"topk"``
+            (per-sequence top-k on a cached prefill, per-step top ⌊γ·b⌋ rows when decoding; docs/design.md §4)
+            or ``"window_topk"`` (causal: a token runs when its r̃ is in the top γ of its sequence's last
+            ``student_window`` scores, itself included; :func:`window_topk_mask`). Threshold and window
+            top-k are causal and score log-likelihoods; window top-k holds γ on any text, a threshold only
+            on text like its calibration text.
         student_threshold (Optional[float]): τ for threshold mode.
+        student_window (Optional[int]): w ≥ 2 for window top-k mode.
         gate (str): how a selected token's update is scaled (docs/design.md R2). ``"scaled"``: by the gate in
             training (g for SDT/STT, σ(r) for MoD, as the papers); at inference SDT/STT apply 1 (g needs the
             block's own output) and MoD σ(r). ``"straight_through"``: forward value 1 in training and
@@ -135,6 +141,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         causal_router: Optional[CausalRouter],
         student_routing_mode: str,
         student_threshold: Optional[float],
+        student_window: Optional[int],
         gate: str,
         always_run_first_token: bool,
         allow_noncausal_student_topk: bool,
@@ -153,6 +160,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         self.causal_router = causal_router
         self.student_routing_mode = student_routing_mode
         self.student_threshold = student_threshold
+        self.student_window = student_window
+        if student_routing_mode == "window_topk" and not (isinstance(student_window, int) and student_window >= 2):
+            raise ValueError(f"Routed layer {layer_idx}: window_topk needs student_window ≥ 2, got {student_window!r}")
         self.gate = gate
         self.always_run_first_token = always_run_first_token
         self.allow_noncausal_student_topk = allow_noncausal_student_topk
@@ -196,6 +206,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 decoder_max_seq_len if self.skipped_tokens_write_kv else max(1, math.ceil(self.capacity * decoder_max_seq_len))
             ),
             static=self.static_kv_cache,
+            score_history=self.student_window - 1 if self.student_routing_mode == "window_topk" else 0,
         )
         attn.cache_enabled = True
 
@@ -298,13 +309,16 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         permits the non-causal whole-sequence top-k that is otherwise refused.
 
         A decode step (a cache and one token per row) selects rows: the top ⌊γ·b⌋ in top-k mode (static,
-        no host read), those over the threshold in threshold mode (one host read)."""
+        no host read), those over the threshold or in their window's top γ otherwise (one host read)."""
         decoding = cache is not None and logits.shape[1] == 1
-        if self.student_routing_mode == "threshold":
-            if decoding:
+        if self.student_routing_mode in ("threshold", "window_topk"):
+            if self.student_routing_mode == "threshold":
                 selected = logits > self.student_logit_threshold
-                return row_selection(selected | starts if self.always_run_first_token else selected)
-            return self.by_threshold(logits > self.student_logit_threshold, starts)
+            else:
+                selected = self.window_topk(logits, starts, cache)
+            if self.always_run_first_token:
+                selected = selected | starts
+            return row_selection(selected) if decoding else mask_selection(selected)
         if decoding:
             return batch_topk_selection(logits[:, 0], self.capacity)
         if cache is None and not (analysis or self.allow_noncausal_student_topk):
@@ -315,6 +329,22 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 "evaluation, or set allow_noncausal_student_topk: True for an explicit analysis."
             )
         return self.topk_by_sequence(logits, starts, single_sequence=single_sequence)
+
+    def window_topk(self, logits: torch.Tensor, starts: torch.Tensor, cache: Optional[SelectiveKVCache]) -> torch.Tensor:
+        """``[b, s]`` bool: tokens whose logit is in the top γ of their window (:func:`window_topk_mask`);
+        with a cache the window continues from the scores it carries, and the cache then carries this
+        chunk's last w − 1."""
+        if cache is None:
+            batch = logits.shape[0]
+            recent = logits.new_zeros(batch, self.student_window - 1)
+            recent_valid = torch.zeros_like(recent, dtype=torch.bool)
+        else:
+            recent, recent_valid = cache.recent_scores, cache.recent_scores_valid
+        selected, recent, recent_valid = window_topk_mask(logits, starts, self.capacity, recent, recent_valid)
+        if cache is not None:
+            cache.recent_scores.copy_(recent)
+            cache.recent_scores_valid.copy_(recent_valid)
+        return selected
 
     def teacher_route(
         self, x, *, mask, input_pos, positions, starts, single_sequence, routing: RoutingContext, record: LayerRouting
@@ -474,6 +504,7 @@ class RandomRoutedLayer(RoutedSelfAttentionLayer):
             causal_router=None,
             student_routing_mode="threshold",
             student_threshold=1.0 - capacity,
+            student_window=None,
             gate="scaled",  # no gate exists; the update is applied at 1
             allow_noncausal_student_topk=False,
             skip_update="none",

@@ -10,12 +10,13 @@ time order is what makes the causal mask over the gathered tokens correct (docs/
 Shapes are static wherever the budget is (top-k): a row of s tokens holds at most ⌊γ·s⌋ selected tokens
 however it splits into sequences (Σ⌊γ·n_i⌋ ≤ ⌊γ·Σn_i⌋), and a decode step runs ⌊γ·b⌋ rows. Those paths read
 nothing back from the device, so ``torch.compile(fullgraph=True)`` captures them whole. Threshold routing
-has a data-dependent count; :func:`mask_selection` and :func:`row_selection` read it once per call.
+and the causal window top-k (:func:`window_topk_mask`) have a data-dependent count; :func:`mask_selection`
+and :func:`row_selection` read it once per call.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -141,6 +142,51 @@ def mask_selection(mask: torch.Tensor) -> Selection:
     if most == fewest:
         selection.valid = None  # every slot is a selected token
     return selection
+
+
+def window_topk_mask(
+    scores: torch.Tensor, starts: torch.Tensor, capacity: float, recent: torch.Tensor, recent_valid: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal top-γ over a sliding window (``student_routing_mode: window_topk``): token t runs when its
+    mid-rank among the n_t tokens of its sequence in the window of w ending at t (t included) is inside the
+    top γ: #{higher} + ½·#{equal, t included} < γ·n_t.
+
+    The mid-rank matters for small n (a sequence's first tokens): a plain rank (#{higher} < γ·n) runs ⌈γ·n⌉
+    of n i.i.d. tokens in expectation (1 of 1, 2 of 3 at γ = ½), which inflates a short text's executed
+    fraction; the mid-rank runs γ·n rounded to the nearest integer, halves down.
+
+    A fixed threshold holds its budget only on text like its calibration text; a model's own generations
+    (repetitions, newline loops) shift every score and with them the executed fraction. A rank among the
+    layer's own recent scores is a threshold that follows the shift, so about γ of every window runs on any
+    text. The rule reads scores only, never earlier decisions, so a whole sequence is decided in one parallel
+    pass and a decode step (s = 1, the window carried in the cache) decides exactly as the full forward.
+
+    Args:
+        scores (torch.Tensor): ``[b, s]`` fp32 router logits of this chunk.
+        starts (torch.Tensor): ``[b, s]`` bool, first token of each sequence (the window never crosses one).
+        capacity (float): γ.
+        recent (torch.Tensor): ``[b, w − 1]`` the scores of the w − 1 tokens before this chunk, oldest first.
+        recent_valid (torch.Tensor): ``[b, w − 1]`` bool, which of them belong to the sequence the chunk
+            continues (all False at the start, or without a cache).
+
+    Returns:
+        Tuple of ``mask [b, s]`` (tokens that run) and the window to carry into the next chunk,
+        ``recent [b, w − 1]`` and ``recent_valid [b, w − 1]``.
+    """
+    width = recent.shape[1] + 1
+    batch, seq_len = scores.shape
+    extended = torch.cat([recent.to(scores.dtype), scores], dim=1)  # [b, w − 1 + s]
+    member = torch.cat([recent_valid, torch.ones_like(starts)], dim=1)
+    # Sequence number of every entry: the carried window is sequence 0, each start in the chunk opens the next.
+    sequence = torch.cat([torch.zeros_like(recent_valid, dtype=torch.long), starts.long()], dim=1).cumsum(dim=1)
+    window_scores = extended.unfold(1, width, 1)  # [b, s, w]; entry w − 1 is the token itself
+    same = member.unfold(1, width, 1) & (sequence.unfold(1, width, 1) == sequence[:, width - 1:, None])
+    higher = ((window_scores > scores[..., None]) & same).sum(dim=-1)
+    equal = ((window_scores == scores[..., None]) & same).sum(dim=-1)  # ≥ 1: the token itself
+    mask = (higher + 0.5 * equal) < capacity * same.sum(dim=-1)
+    carried = slice(seq_len, None)  # the last w − 1 entries
+    carried_valid = (member & (sequence == sequence[:, -1:]))[:, carried]
+    return mask, extended[:, carried], carried_valid
 
 
 def row_selection(mask: torch.Tensor) -> Selection:

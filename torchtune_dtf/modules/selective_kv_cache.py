@@ -41,6 +41,8 @@ class SelectiveKVCache(nn.Module):
         initial_entries (Optional[int]): entries per row allocated up front (default ``max_seq_len``);
             the buffers grow on demand up to ``max_seq_len``. Ignored when ``static``.
         static (bool): allocate ``max_seq_len`` entries per row and never grow or read fill levels back.
+        score_history (int): router scores of the last tokens kept per row, for a student that ranks a token
+            among its predecessors' scores (``window_topk``: w − 1); 0 keeps none.
 
     Buffers (``n`` = entries allocated per row, ``allocated_entries``):
         k_cache, v_cache: ``[b, n_kv, n + 1, h_d]``; the last entry is a scratch slot that absorbs the
@@ -51,6 +53,8 @@ class SelectiveKVCache(nn.Module):
         last_input: ``[b, d]`` the previous token's layer input, per row.
         last_output: ``[b, d]`` the previous token's routed output before any skip-path forecast, per row
             (the TPN's input when ``skip_update: predicted``).
+        recent_scores, recent_scores_valid: ``[b, score_history]`` fp32 router scores of the last tokens,
+            oldest first, and which of them belong to the row's current sequence.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class SelectiveKVCache(nn.Module):
         dtype: torch.dtype,
         initial_entries: Optional[int] = None,
         static: bool = False,
+        score_history: int = 0,
     ) -> None:
         super().__init__()
         initial_entries = max_seq_len if (initial_entries is None or static) else initial_entries
@@ -85,6 +90,10 @@ class SelectiveKVCache(nn.Module):
         self.register_buffer("seen", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("last_input", torch.zeros(batch_size, embed_dim, dtype=dtype), persistent=False)
         self.register_buffer("last_output", torch.zeros(batch_size, embed_dim, dtype=dtype), persistent=False)
+        self.register_buffer("recent_scores", torch.zeros(batch_size, score_history), persistent=False)
+        self.register_buffer(
+            "recent_scores_valid", torch.zeros(batch_size, score_history, dtype=torch.bool), persistent=False
+        )
 
     def reset(self) -> None:
         """Empty the cache without reallocating it."""
@@ -95,6 +104,8 @@ class SelectiveKVCache(nn.Module):
         self.seen.zero_()
         self.last_input.zero_()
         self.last_output.zero_()
+        self.recent_scores.zero_()
+        self.recent_scores_valid.zero_()
         self._fill_bound = 0
         self._announced = 0
 

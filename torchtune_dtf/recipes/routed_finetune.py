@@ -197,8 +197,9 @@ def _calibration_problems(cfg: DictConfig) -> List[str]:
     if variant == "random":
         return ["student_calibration.batches > 0, but variant 'random' has no causal router to calibrate (its "
                 "student runs Bernoulli(γ), on budget in expectation); set student_calibration.batches: 0"]
-    if cfg.model.get("student_routing_mode") == "topk":
-        return ["student_calibration.batches > 0, but student_routing_mode 'topk' already runs exactly γ; "
+    mode = cfg.model.get("student_routing_mode")
+    if mode in ("topk", "window_topk"):
+        return [f"student_calibration.batches > 0, but student_routing_mode {mode!r} already runs γ by rank; "
                 "calibration shifts the threshold of a 'threshold' student. Set student_calibration.batches: 0"]
     return []
 

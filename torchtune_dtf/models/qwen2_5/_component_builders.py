@@ -161,6 +161,7 @@ def _routed_decoder(
                 causal_router=causal_router(spec, embed_dim, norm_eps),
                 student_routing_mode=spec.student_routing_mode,
                 student_threshold=spec.student_threshold,
+                student_window=spec.student_window,
                 gate=spec.gate,
                 always_run_first_token=spec.always_run_first_token,
                 allow_noncausal_student_topk=spec.allow_noncausal_student_topk,
@@ -242,9 +243,11 @@ def routed_qwen2(
             (the teacher's top-⌊γ·n⌋ of n tokens); one value, or one per routed layer in the order
             ``routed_layers`` lists them.
         student_routing_mode (str): how the causal router (the student) selects at inference:
-            ``"threshold"`` (σ(r̃) > τ, token by token) or ``"topk"`` (per-sequence top-k on a cached
-            prefill, the top ⌊γ·b⌋ rows per decoding step).
-        student_threshold (Optional[float]): τ ∈ [0, 1) for ``threshold`` mode (unused by ``topk``: ``None``).
+            ``"threshold"`` (σ(r̃) > τ, token by token), ``"topk"`` (per-sequence top-k on a cached
+            prefill, the top ⌊γ·b⌋ rows per decoding step) or ``"window_topk"`` (token by token: r̃ in
+            the top γ of the sequence's last ``student_window`` scores; holds γ on generated text too).
+        student_threshold (Optional[float]): τ ∈ [0, 1) for ``threshold`` mode (unused otherwise: ``None``).
+        student_window (Optional[int]): w ≥ 2 tokens for ``window_topk`` mode (unused otherwise: ``None``).
         causal_router_input (str): ``"current"`` (the router reads RMSNorm(x_t), d features) or
             ``"current_previous"`` ([RMSNorm(x_t) ‖ RMSNorm(x_{t−1})], 2d features).
         causal_router_hidden_dim (int): hidden width of the causal router.
