@@ -108,8 +108,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             (per-sequence top-k on a cached prefill, per-step top ⌊γ·b⌋ rows when decoding; docs/design.md §4)
             or ``"window_topk"`` (causal: a token runs when its r̃ is in the top γ of its sequence's last
             ``student_window`` scores, itself included; :func:`window_topk_mask`). Threshold and window
-            top-k are causal and score log-likelihoods; window top-k holds γ on any text, a threshold only
-            on text like its calibration text.
+            top-k are causal and score log-likelihoods; window top-k follows a shift of the scores (a
+            model's own generations), a threshold holds γ only on text like its calibration text.
         student_threshold (Optional[float]): τ for threshold mode.
         student_window (Optional[int]): w ≥ 2 for window top-k mode.
         gate (str): how a selected token's update is scaled (docs/design.md R2). ``"scaled"``: by the gate in

@@ -157,8 +157,9 @@ def window_topk_mask(
 
     A fixed threshold holds its budget only on text like its calibration text; a model's own generations
     (repetitions, newline loops) shift every score and with them the executed fraction. A rank among the
-    layer's own recent scores is a threshold that follows the shift, so about γ of every window runs on any
-    text. The rule reads scores only, never earlier decisions, so a whole sequence is decided in one parallel
+    layer's own recent scores is a threshold that follows the shift, so about γ of every window runs (not
+    when scores keep rising or falling for longer than the window: then every token is its window's best or
+    worst). The rule reads scores only, never earlier decisions, so a whole sequence is decided in one parallel
     pass and a decode step (s = 1, the window carried in the cache) decides exactly as the full forward.
 
     Args:
@@ -174,7 +175,7 @@ def window_topk_mask(
         ``recent [b, w − 1]`` and ``recent_valid [b, w − 1]``.
     """
     width = recent.shape[1] + 1
-    batch, seq_len = scores.shape
+    seq_len = scores.shape[1]
     extended = torch.cat([recent.to(scores.dtype), scores], dim=1)  # [b, w − 1 + s]
     member = torch.cat([recent_valid, torch.ones_like(starts)], dim=1)
     # Sequence number of every entry: the carried window is sequence 0, each start in the chunk opens the next.

@@ -245,7 +245,8 @@ def routed_qwen2(
         student_routing_mode (str): how the causal router (the student) selects at inference:
             ``"threshold"`` (σ(r̃) > τ, token by token), ``"topk"`` (per-sequence top-k on a cached
             prefill, the top ⌊γ·b⌋ rows per decoding step) or ``"window_topk"`` (token by token: r̃ in
-            the top γ of the sequence's last ``student_window`` scores; holds γ on generated text too).
+            the top γ of the sequence's last ``student_window`` scores; follows a shift of the scores, as on
+            generated text).
         student_threshold (Optional[float]): τ ∈ [0, 1) for ``threshold`` mode (unused otherwise: ``None``).
         student_window (Optional[int]): w ≥ 2 tokens for ``window_topk`` mode (unused otherwise: ``None``).
         causal_router_input (str): ``"current"`` (the router reads RMSNorm(x_t), d features) or
