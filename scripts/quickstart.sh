@@ -73,9 +73,9 @@ grep "executed fraction per routed layer" "$WORK/generate_stt.log"
 # (window top-k; training validated and calibrated a threshold student over the same causal router).
 read -r -a DEPLOYED <<< "$("$PY" - <<'PY'
 from omegaconf import OmegaConf
+from torchtune_dtf.models.routing_config import STUDENT_RULE_KEYS
 model = OmegaConf.load("configs/quickstart/eval_stt_smollm2.yaml").model
-keys = ("student_routing_mode", "student_threshold", "student_window")
-print(" ".join(f"model.{k}={'null' if model[k] is None else model[k]}" for k in keys))
+print(" ".join(f"model.{k}={'null' if model[k] is None else model[k]}" for k in STUDENT_RULE_KEYS))
 PY
 )"
 stamp "report"

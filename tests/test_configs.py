@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from torchtune_dtf.models.routing_config import STUDENT_RULE_KEYS
+
 REPO = Path(__file__).resolve().parents[1]
 LORA_KEYS = ("lora_attn_modules", "apply_lora_to_mlp", "lora_rank", "lora_alpha", "lora_dropout")
-#: How the trained causal router decides at inference: no weight depends on them.
-STUDENT_RULE_KEYS = ("student_routing_mode", "student_threshold", "student_window")
 INFERENCE_CONFIGS = sorted((REPO / "configs" / "eval").glob("*.yaml")) + sorted((REPO / "configs" / "generate").glob("*.yaml"))
 PAIRS = [(path, REPO / "configs" / path.name) for path in INFERENCE_CONFIGS]
 PAIRS += [(REPO / "configs" / "quickstart" / f"{kind}_stt_smollm2.yaml", REPO / "configs" / "quickstart" / "stt_smollm2.yaml")

@@ -32,6 +32,9 @@ COMMON_KEYS = (
     "skip_update",
     "dropped_layers",
 )
+#: How the trained causal router decides at inference (no weight depends on them): the keys an eval or generate
+#: config may set apart from its training config.
+STUDENT_RULE_KEYS = ("student_routing_mode", "student_threshold", "student_window")
 #: ``routed_layers`` / ``dropped_layers``: a name from ``PLACEMENTS`` or a list of layer indices.
 Placement = Union[str, List[int]]
 #: ``capacity``: one γ for every routed layer, or one γ per routed layer in the order ``routed_layers`` lists them.
