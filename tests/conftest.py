@@ -84,6 +84,15 @@ def _perturb_norms(model, seed):
 
 
 @pytest.fixture
+def small_query_chunks(monkeypatch):
+    """Attention in chunks of 4 selected queries (the library cuts chunks of 64), so the tiny sequences of the
+    tests attend chunk by chunk over a prefix of the keys, as long sequences do."""
+    from torchtune_dtf.modules import routed_block
+
+    monkeypatch.setattr(routed_block, "_MIN_QUERIES_PER_CHUNK", 4)
+
+
+@pytest.fixture
 def tokens():
     return torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(7))
 

@@ -251,6 +251,81 @@ def test_write_kv_packed_documents_stay_apart():
     torch.testing.assert_close(model(packed, mask=mask, input_pos=positions)[:, 10:], model(b), rtol=1e-5, atol=1e-5)
 
 
+# ---- attention that computes only the scores it keeps ------------------------------------------------
+
+
+def packed_inputs(tokens):
+    """Each row of ``tokens [b, s]`` as two documents (first 20 tokens, the rest): block-causal mask and positions."""
+    batch, seq_len = tokens.shape
+    split = 20
+    mask = torch.zeros(seq_len, seq_len, dtype=torch.bool)
+    mask[:split, :split] = torch.tril(torch.ones(split, split, dtype=torch.bool))
+    mask[split:, split:] = torch.tril(torch.ones(seq_len - split, seq_len - split, dtype=torch.bool))
+    positions = torch.cat([torch.arange(split), torch.arange(seq_len - split)])
+    return dict(mask=mask.expand(batch, -1, -1), input_pos=positions.expand(batch, -1))
+
+
+def record_key_bounds(monkeypatch):
+    """Every (per-chunk key counts, keys available) the routed attention decides, in call order."""
+    from torchtune_dtf.modules import routed_block
+
+    calls, decide = [], routed_block.chunk_key_bounds
+
+    def recording(chunks, last_key, valid, num_keys, static_bounds):
+        bounds = decide(chunks, last_key, valid, num_keys, static_bounds)
+        calls.append((bounds, num_keys))
+        return bounds
+
+    monkeypatch.setattr(routed_block, "chunk_key_bounds", recording)
+    return calls
+
+
+STUDENTS = {
+    "threshold": {},
+    "topk": dict(student_routing_mode="topk", student_threshold=None, allow_noncausal_student_topk=True),
+}
+
+
+@pytest.mark.parametrize("variant", ["mod", "stt"])
+@pytest.mark.parametrize("write_kv", [False, True])
+@pytest.mark.parametrize("student", ["threshold", "topk"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_attention_equals_one_call_over_every_key(variant, write_kv, student, packed, small_query_chunks, monkeypatch):
+    """Queries attend chunk by chunk over a prefix of the keys; the logits are those of one attention call over
+    all keys through the mask, and the chunks really stop short of the last key (the work they skip)."""
+    from torchtune_dtf.modules import routed_block
+
+    tokens = torch.randint(0, VOCAB, (3, 64), generator=torch.Generator().manual_seed(11))
+    inputs = packed_inputs(tokens) if packed else {}
+    model = build_tiny(variant, skipped_tokens_write_kv=write_kv, **STUDENTS[student])
+    bounds = record_key_bounds(monkeypatch)
+    ctx = RoutingContext(mode="student")
+    chunked = model(tokens, routing=ctx, **inputs)
+    for layer in model.layers:
+        if isinstance(layer, RoutedSelfAttentionLayer):
+            ran = ctx.layers[layer.layer_idx].selected_mask.sum(-1)
+            assert (ran > 16).all() and (ran < 64).all(), ran  # several chunks, and skipped tokens
+    if write_kv:  # the bounds follow the selection: a real prefix of the 64 keys, not the rectangle
+        assert bounds and all(len(b) > 1 and min(b) < n for b, n in bounds), bounds
+    monkeypatch.setattr(routed_block, "_MAX_QUERY_CHUNKS", 1)
+    torch.testing.assert_close(chunked, model(tokens, **inputs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("write_kv", [False, True])
+def test_chunked_attention_over_the_selective_cache_decodes_as_the_full_forward(write_kv, small_query_chunks, monkeypatch):
+    """A 32-token prefill attends chunk by chunk over the cache's entries (bounded by each query's own entry);
+    decoding on from it gives the full forward's logits."""
+    tokens = torch.randint(0, VOCAB, (3, MAX_LEN), generator=torch.Generator().manual_seed(12))
+    model = build_tiny("stt", skipped_tokens_write_kv=write_kv, student_threshold=0.3)
+    full = model(tokens)
+    model.setup_caches(batch_size=tokens.shape[0], dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    bounds = record_key_bounds(monkeypatch)
+    incremental, _ = decode_incrementally(model, tokens, prompt_len=32)
+    torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-4)
+    prefill = [(b, n) for b, n in bounds if len(b) > 1]
+    assert prefill and all(min(b) < n for b, n in prefill), bounds
+
+
 # ---- predicted update on the skip path (STT) ---------------------------------------------------------
 
 
@@ -274,6 +349,19 @@ def test_predicted_skip_update_is_the_tpn_forecast_from_the_previous_output(toke
     out = layer(x, routing=RoutingContext(mode="student"))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     assert (out - base)[~ran].abs().max() > 1e-3 and (out - base)[ran].abs().max() == 0
+
+
+@pytest.mark.parametrize("student", ["threshold", "topk"])
+def test_the_forecast_runs_on_the_skipped_tokens_only(student, tokens):
+    """The TPN's forecast is computed for skipped tokens alone (not for every token and then masked)."""
+    model = build_tiny("stt", skip_update="predicted", **STUDENTS[student])
+    layer = model.layers[1]
+    seen = []
+    layer.transition.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    ctx = RoutingContext(mode="student")
+    model(tokens, routing=ctx)
+    skipped = (~ctx.layers[1].selected_mask).sum(-1)
+    assert 0 < skipped.min() and seen == [int(skipped.max())], (seen, skipped)
 
 
 @pytest.mark.parametrize("skip_update", ["predicted", "bias"])

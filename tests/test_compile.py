@@ -121,7 +121,7 @@ CASES = [(variant, shape) for variant in ROUTED_VARIANTS for shape in ("papers",
 
 
 @pytest.mark.parametrize("variant, shape", CASES)
-def test_topk_routed_layers_compile_whole_and_match_eager(variant, shape, fresh_dynamo):
+def test_topk_routed_layers_compile_whole_and_match_eager(variant, shape, fresh_dynamo, small_query_chunks):
     overrides = dict(student_routing_mode="topk", student_threshold=None)
     eager = build(variant, shape, **overrides)
     compiled = compile_layers(build(variant, shape, **overrides), backend="aot_eager")
@@ -175,7 +175,7 @@ def test_threshold_decode_keeps_its_graphs_bounded_over_200_steps(student, fresh
 
 
 @pytest.mark.slow
-def test_inductor_compiled_recommended_stt_matches_eager(fresh_dynamo):
+def test_inductor_compiled_recommended_stt_matches_eager(fresh_dynamo, small_query_chunks):
     # The real compiler (C++ codegen on the CPU): the study's recommended shape, top-k student.
     overrides = dict(student_routing_mode="topk", student_threshold=None)
     eager = build("stt", "recommended", **overrides)

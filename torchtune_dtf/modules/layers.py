@@ -25,9 +25,12 @@ from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
 from torchtune_dtf.modules.selection import (
     Selection,
     batch_topk_selection,
+    gather_tokens,
     mask_selection,
     row_selection,
+    scatter_updates,
     segment_topk_selection,
+    skipped_selection,
     window_topk_mask,
 )
 from torchtune_dtf.modules.selective_kv_cache import SelectiveKVCache
@@ -449,7 +452,11 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             previous = previous_token_states(out, starts, None if cache is None else cache.last_output)
             if cache is not None:
                 cache.last_output.copy_(out[:, -1].detach())
-            out = out + self.skip_forecast(previous) * (~selection.mask)[..., None].to(out.dtype)
+            skipped = skipped_selection(selection)
+            if skipped is None:
+                out = out + self.skip_forecast(previous) * (~selection.mask)[..., None].to(out.dtype)
+            elif skipped.num_selected:  # the forecast runs on the skipped tokens only
+                out = scatter_updates(out, skipped, self.skip_forecast(gather_tokens(previous, skipped.positions)))
         elif self.skip_update == "bias":
             out = out + self.skip_bias().to(out.dtype) * (~selection.mask)[..., None].to(out.dtype)
         if cache is not None:

@@ -14,15 +14,17 @@ This is the one executor every variant shares (docs/design.md §9): the variants
    positions: x_t ← x_t + g_t·Δ_t; skipped tokens pass unchanged.
 
 Only the selected tokens are computed, so the work is k/s of the dense block's linear work and (k/s)² of
-its attention scores. With ``skipped_tokens_write_kv`` the k selected queries attend over all s keys through an
-explicit mask, so the attention kernel computes the whole k × s score rectangle, about twice the causal half
-the closed form counts (not yet a kernel that skips the masked blocks).
+its attention scores. Attention through an explicit mask (ragged selections, packed documents, and every
+``skipped_tokens_write_kv`` layer, whose k selected queries attend over all s keys) would make the kernel compute
+the whole score rectangle, masked half included. Instead the queries, in time order, are cut into a few chunks
+(:func:`query_chunks`) and each chunk attends only to the keys up to the last one any of its queries may see
+(:func:`chunk_key_bounds`): the staircase under the causal diagonal, in steps, not the rectangle.
 
 Shapes: with a top-k selection every shape here is static (k slots per row, or ⌊γ·b⌋ rows of a decode step) and
 nothing is read back from the device, so ``torch.compile(fullgraph=True)`` captures the whole layer.
 """
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -79,10 +81,62 @@ def _attention_mask(
         allowed = torch.gather(rows_of_queries, 2, key_slots[:, None, :].expand(-1, query_index.shape[1], -1))
     if key_valid is not None:
         allowed = allowed & key_valid[:, None, :]
-    # A padding query may have no key at all; give it every key so softmax stays finite (its output is
-    # discarded on scatter).
-    allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
     return allowed[:, None]
+
+
+# A chunk of queries is one attention call; fewer than this many queries per call and the calls' own cost
+# outweighs the masked keys they skip. At most this many chunks, so a long prefill stays a few calls.
+_MIN_QUERIES_PER_CHUNK = 64
+_MAX_QUERY_CHUNKS = 8
+
+
+def query_chunks(num_queries: int) -> List[Tuple[int, int]]:
+    """Split ``num_queries`` time-ordered queries into up to 8 contiguous ``(start, end)`` chunks of about
+    equal size, each of at least 64 queries (one chunk when there are fewer than 128)."""
+    count = min(_MAX_QUERY_CHUNKS, num_queries // _MIN_QUERIES_PER_CHUNK)
+    if count <= 1:
+        return [(0, num_queries)]
+    size = -(-num_queries // count)
+    return [(start, min(start + size, num_queries)) for start in range(0, num_queries, size)]
+
+
+def chunk_key_bounds(
+    chunks: List[Tuple[int, int]],
+    last_key: torch.Tensor,
+    valid: Optional[torch.Tensor],
+    num_keys: int,
+    static_bounds: Optional[List[int]],
+) -> List[int]:
+    """How many keys (a prefix of the key axis) each chunk of queries attends over.
+
+    Keys are in slot order and every query sees only keys at or before its own slot (causal masks, packed or
+    padded, only remove keys from that), so a chunk needs the keys up to the largest ``last_key`` of its real
+    queries, over all rows. Eager code reads that from the device (one host read for all chunks); compiled code
+    cannot read without a graph break, so it takes ``static_bounds``, a bound that holds for every selection
+    of this shape, or all keys when there is none.
+
+    Args:
+        chunks: from :func:`query_chunks`.
+        last_key (torch.Tensor): ``[r, k]`` index along the key axis of the last key each query may see.
+        valid (Optional[torch.Tensor]): ``[r, k]`` False for padding queries (their keys do not matter).
+        num_keys (int): length of the key axis.
+        static_bounds (Optional[List[int]]): per chunk, a data-independent bound, or None.
+
+    Returns:
+        List[int]: per chunk, in ``[1, num_keys]``.
+    """
+    if len(chunks) == 1:
+        return [num_keys]
+    if torch.compiler.is_compiling():
+        return static_bounds if static_bounds is not None else [num_keys] * len(chunks)
+    if valid is not None:
+        last_key = torch.where(valid, last_key, torch.zeros_like(last_key))
+    # Real queries are ascending and come first in each row, so a running maximum at a chunk's last query is
+    # the chunk's largest real key (or an earlier one, for a chunk of padding only).
+    running = torch.cummax(last_key, dim=1).values
+    ends = torch.tensor([end - 1 for _, end in chunks], device=last_key.device)
+    bounds = (running.index_select(1, ends).amax(dim=0) + 1).tolist()
+    return [min(max(bound, 1), num_keys) for bound in bounds]
 
 
 def routed_block_forward(
@@ -137,19 +191,29 @@ def routed_block_forward(
     key, value = _project_keys_values(layer, h, query_positions)
 
     attn_mask, is_causal = None, False
+    chunks = query_chunks(query_index.shape[1])
     if cache is not None:
         row_ids = torch.arange(x.shape[0], device=x.device) if rows is None else rows
         query_slots = cache.seen + query_index
+        # Entries are stored in time order, so a query's last key is its own entry: the row's fill before this
+        # chunk plus its rank among the row's real new tokens.
+        rank = torch.arange(query_index.shape[1], device=x.device) if valid is None else valid.cumsum(dim=1) - 1
+        last_entry = cache.fill[row_ids, None] + rank
         cache.append(row_ids, key, value, query_slots, valid)
         key, value, key_slots, key_valid = cache.entries(row_ids)
         attn_mask = _attention_mask(mask, query_index, query_slots, key_slots, key_valid)
+        key_bounds = chunk_key_bounds(chunks, last_entry, valid, key.shape[2], static_bounds=None)
     elif mask is None and valid is None:
         is_causal = True  # gathered in time order, so causality among them is the lower triangle
+        chunks, key_bounds = [(0, query_index.shape[1])], [query_index.shape[1]]
     else:
         attn_mask = _attention_mask(mask, query_index, query_index, query_index, valid)
+        key_bounds = [end for _, end in chunks]  # the keys are the queries themselves, in the same order
 
     gate_rows = gate if (rows is None or gate is None) else gate[rows]
-    out_rows = _attend_and_update(layer, x_rows, xs, q, key, value, selection, gate_rows, attn_mask, is_causal)
+    out_rows = _attend_and_update(
+        layer, x_rows, xs, q, key, value, selection, gate_rows, attn_mask, is_causal, chunks, key_bounds
+    )
     if rows is None:
         return out_rows
     return x.index_copy(0, rows, out_rows)
@@ -194,7 +258,17 @@ def _forward_with_all_keys(
     q = _project_queries(layer, gather_tokens(h_rows, query_index), gather_tokens(positions, query_index))
     query_slots = query_index if cache is None else cache.seen + query_index
     attn_mask = _attention_mask(mask, query_index, query_slots, slots, key_valid)
-    out_rows = _attend_and_update(layer, x_rows, xs, q, key, value, selection, gate, attn_mask, False)
+    # Every token of every row is a key, stored in slot order, so a query's last key is at its own slot.
+    num_queries, num_keys = query_index.shape[1], key.shape[2]
+    chunks = query_chunks(num_queries)
+    static_bounds = None
+    if cache is None and selection.valid is None:
+        # k ascending distinct positions among n: the i-th is at most n − k + i, whatever was selected.
+        static_bounds = [num_keys - num_queries + end for _, end in chunks]
+    key_bounds = chunk_key_bounds(chunks, query_slots, selection.valid, num_keys, static_bounds)
+    out_rows = _attend_and_update(
+        layer, x_rows, xs, q, key, value, selection, gate, attn_mask, False, chunks, key_bounds
+    )
     return out_rows if rows is None else x.index_copy(0, rows, out_rows)
 
 
@@ -209,18 +283,32 @@ def _attend_and_update(
     gate: Optional[torch.Tensor],
     attn_mask: Optional[torch.Tensor],
     is_causal: bool,
+    chunks: List[Tuple[int, int]],
+    key_bounds: List[int],
 ) -> torch.Tensor:
-    """Attention of the selected queries, the MLP, and the gated update added back into ``x [b, s, d]``."""
+    """Attention of the selected queries (chunk by chunk, each over its prefix of the keys), the MLP, and the
+    gated update added back into ``x [b, s, d]``."""
     attn = layer.attn
-    out = F.scaled_dot_product_attention(
-        q,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=attn.attn_dropout if attn.training else 0.0,
-        is_causal=is_causal,
-        enable_gqa=attn.num_heads != attn.num_kv_heads,
-    )
+    outputs = []
+    for (start, end), num_keys in zip(chunks, key_bounds):
+        chunk_mask = None
+        if attn_mask is not None:
+            chunk_mask = attn_mask[:, :, start:end, :num_keys]
+            # A padding query may have no key at all; give it every key so softmax stays finite (its output
+            # is discarded on scatter).
+            chunk_mask = chunk_mask | ~chunk_mask.any(dim=-1, keepdim=True)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start:end],
+                key[:, :, :num_keys],
+                value[:, :, :num_keys],
+                attn_mask=chunk_mask,
+                dropout_p=attn.attn_dropout if attn.training else 0.0,
+                is_causal=is_causal,
+                enable_gqa=attn.num_heads != attn.num_kv_heads,
+            )
+        )
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     out = out.transpose(1, 2).reshape(xs.shape[0], xs.shape[1], -1)
     attn_update = layer.sa_scale(attn.output_proj(out))
     h = xs + attn_update

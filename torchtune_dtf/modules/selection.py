@@ -33,12 +33,16 @@ class Selection:
         rows (Optional[torch.Tensor]): ``[r]`` ascending batch rows that run anything (decoding, one token
             per row); ``positions`` is then ``[r, 1]`` and describes those rows only. None: every row of
             ``positions`` is its batch row.
+        fewest_selected (Optional[int]): the smallest number of tokens any row selects, when the host knows it
+            without reading the device (top-k: k; threshold: from the read that sized the selection); None
+            otherwise.
     """
 
     positions: torch.Tensor
     valid: Optional[torch.Tensor]
     mask: torch.Tensor
     rows: Optional[torch.Tensor] = None
+    fewest_selected: Optional[int] = None
 
     @property
     def num_selected(self) -> int:
@@ -59,7 +63,7 @@ def topk_selection(scores: torch.Tensor, k: int) -> Selection:
     order = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices
     positions = torch.sort(order[:, :k], dim=-1).values
     mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, positions, True)
-    return Selection(positions=positions, valid=None, mask=mask)
+    return Selection(positions=positions, valid=None, mask=mask, fewest_selected=k)
 
 
 def sequence_bounds(starts: torch.Tensor):
@@ -139,9 +143,24 @@ def mask_selection(mask: torch.Tensor) -> Selection:
         return Selection(positions=mask.new_zeros(mask.shape[0], 0, dtype=torch.long), valid=None, mask=mask)
     most, fewest = torch.stack([counts.max(), counts.min()]).tolist()
     selection = slots_selection(mask, most)
+    selection.fewest_selected = fewest
     if most == fewest:
         selection.valid = None  # every slot is a selected token
     return selection
+
+
+def skipped_selection(selection: Selection) -> Optional[Selection]:
+    """The tokens ``selection`` skips, as a selection of their own (time order, padded like any ragged one),
+    so that work only skipped tokens need (the skip-path forecast) runs on them alone.
+
+    Returns None when the number of slots is not known on the host without a read (packed top-k, decoding):
+    the caller then computes for every token and masks."""
+    if selection.rows is not None or selection.fewest_selected is None:
+        return None
+    skipped = slots_selection(~selection.mask, selection.mask.shape[1] - selection.fewest_selected)
+    if selection.valid is None:
+        skipped.valid = None  # every row selects (hence skips) the same number
+    return skipped
 
 
 def window_topk_mask(
