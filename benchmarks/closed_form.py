@@ -8,7 +8,8 @@ numbers are comparable term by term):
   three d × d_ff matrices: ``2·d·(2·n_h·h_d + 2·n_kv·h_d) + 6·d·d_ff``.
 * Attention of n_q queries over n_k keys: ``4·n_h·h_d·n_q·n_k`` (scores and weighted values, every query head).
   This is the full rectangle, which is what FlopCounterMode counts for SDPA even with ``is_causal`` (and what
-  the CPU kernel actually computes when an explicit mask is passed). With ``is_causal`` the CPU flash kernel
+  the CPU kernel computes when an explicit mask is passed; routed layers attend through a mask in chunks of
+  queries, each over the prefix of keys it can see, so they compute less than this: ``attention_work.py``). With ``is_causal`` the CPU flash kernel
   skips the blocks above the diagonal, so the work it *does* is about half; the routed/dense attention ratio
   is the same either way, (1 + γ²)/2 with half the layers routed, because both sides halve.
 * LM head: ``2·d·V`` per token (tied embedding in the 0.5B–3B shapes; the embedding lookup itself is free).

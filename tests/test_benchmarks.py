@@ -451,3 +451,18 @@ def test_compiled_benchmark_times_every_model_and_workload_against_dense(tmp_pat
     assert set(ops) == models and all(n > 0 for n in ops.values())
     report = (tmp_path / "results.md").read_text()
     assert "## prefill b1 × 64" in report and "aten ops per decode step (eager)" in report
+
+
+def test_attention_work_times_the_routed_layer_chunked_and_as_one_call(tmp_path):
+    """The chunked-attention benchmark times every layer form against the dense layer and writes its table; its
+    K/V-kept layer runs at several chunks at the smoke length (T = 256: ⌊γ·T⌋ = 128 queries, two chunks)."""
+    from benchmarks import attention_work
+
+    result = attention_work.main(["--size", "tiny", "--quick", "--modes", "eager", "--out", str(tmp_path)])
+    rows = result["times"]["eager"]
+    assert set(rows) == {"dense", "kv_kept_chunked", "kv_kept_one_call", "selected_only"}
+    assert rows["dense"]["vs_dense"] == 1.0 and all(r["median_s"] > 0 for r in rows.values())
+    assert 0 < result["flop_ratio"]["selected_only"] < result["flop_ratio"]["kv_kept"] < 1
+    assert attention_work.routed_block.query_chunks(128) == [(0, 64), (64, 128)]
+    assert "kv_kept_one_call" in (tmp_path / "results_256.md").read_text()
+
