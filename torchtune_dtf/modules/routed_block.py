@@ -289,8 +289,15 @@ def _attend_and_update(
     """Attention of the selected queries (chunk by chunk, each over its prefix of the keys), the MLP, and the
     gated update added back into ``x [b, s, d]``."""
     attn = layer.attn
-    outputs = []
+    # Neighbouring chunks over the same keys (no bound known, or equal bounds) are one call.
+    merged: List[Tuple[int, int, int]] = []
     for (start, end), num_keys in zip(chunks, key_bounds):
+        if merged and merged[-1][2] == num_keys:
+            merged[-1] = (merged[-1][0], end, num_keys)
+        else:
+            merged.append((start, end, num_keys))
+    outputs = []
+    for start, end, num_keys in merged:
         chunk_mask = None
         if attn_mask is not None:
             chunk_mask = attn_mask[:, :, start:end, :num_keys]
