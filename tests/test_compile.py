@@ -175,7 +175,7 @@ def test_threshold_decode_keeps_its_graphs_bounded_over_200_steps(student, fresh
 
 
 @pytest.mark.slow
-def test_inductor_compiled_recommended_stt_matches_eager(fresh_dynamo, small_query_chunks):
+def test_inductor_compiled_recommended_stt_matches_eager(fresh_dynamo):
     # The real compiler (C++ codegen on the CPU): the study's recommended shape, top-k student.
     overrides = dict(student_routing_mode="topk", student_threshold=None)
     eager = build("stt", "recommended", **overrides)
