@@ -15,6 +15,7 @@ rectangles on both sides (see ``closed_form.py``). Results: ``benchmarks/results
 """
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -58,18 +59,19 @@ def build_layer(size: str, write_kv: bool, gamma: float, seed: int = 0) -> torch
 
 
 def layer_flop_ratio(size: str, write_kv: bool, gamma: float, seq_len: int) -> float:
-    """Closed-form FLOPs of the routed layer's student forward / the dense layer's (both with rectangles)."""
-    shape = cf.model_shape(size)
-    k = cf.num_selected(gamma, seq_len)
-    dense = seq_len * shape.block_linear_flops_per_token + shape.attention_flops(seq_len, seq_len)
-    routing = cf.routing_shape("stt", shape.num_layers, shape.embed_dim,
-                               dict(config_routing("stt"), skipped_tokens_write_kv=write_kv))
-    routed = k * shape.block_linear_flops_per_token + seq_len * routing.causal_router_flops_per_token(shape)
-    if write_kv:
-        routed += (seq_len - k) * routing.kv_projection_flops_per_token(shape) + shape.attention_flops(k, seq_len)
-    else:
-        routed += shape.attention_flops(k, k)
-    return routed / dense
+    """Closed-form FLOPs of the routed layer's student forward / the dense layer's (both with rectangles):
+    ``closed_form.forward_flops`` of the two-layer model without its LM head, less its dense layer 0."""
+    shape = dataclasses.replace(cf.model_shape(size), num_layers=2)
+    routing = cf.routing_shape("stt", 2, shape.embed_dim, dict(config_routing("stt"), routed_layers=[1], capacity=gamma,
+                                                               skipped_tokens_write_kv=write_kv, skip_update="none",
+                                                               dropped_layers=[]))
+
+    def layers(routing_shape) -> int:
+        flops = cf.forward_flops(shape, routing_shape, seq_len)
+        return flops["total"] - flops["lm_head"]
+
+    dense_layer = layers(cf.RoutingShape.dense()) / 2
+    return (layers(routing) - dense_layer) / dense_layer
 
 
 def main(argv=None) -> dict:
