@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torchtune.modules import TransformerSelfAttentionLayer
 
-from benchmarks import closed_form as cf
+from torchtune_dtf import closed_form as cf
 from benchmarks.common import REPO, config_routing, interleaved, paired_ratio, set_threads, subnormals_flushed
 from torchtune_dtf.models import qwen2_5
 from torchtune_dtf.models.qwen2_5 import QWEN2_5_SHAPES

@@ -21,7 +21,7 @@ from torchtune_dtf.models import qwen2_5
 from torchtune_dtf.modules import ROUTING_MODULE_NAMES, RoutedSelfAttentionLayer, RoutingContext, is_routing_key
 from torchtune_dtf.training.calibration import calibratable_layers, calibrate_student_routers
 
-from benchmarks import closed_form as cf
+from torchtune_dtf import closed_form as cf
 
 REPO = Path(__file__).resolve().parent.parent
 aten = torch.ops.aten

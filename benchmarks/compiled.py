@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from torchtune import generation
 from torchtune.modules.common_utils import delete_kv_caches
 
-from benchmarks import closed_form as cf
+from torchtune_dtf import closed_form as cf
 from benchmarks.common import (
     REPO,
     build_sharing,
@@ -381,7 +381,7 @@ def render(results: Dict) -> str:
         f"# Compiled and eager, routed / dense ({results['shape']} shape)", "",
         f"`{results['command']}` — {results['date']}, {results['device']}; median over {results['rounds']} "
         "interleaved rounds of each round's model/dense ratio in the same mode (dense = 1). FLOPs: closed form "
-        "(`benchmarks/closed_form.py`), the ideal.", "",
+        "(`torchtune_dtf/closed_form.py`), the ideal.", "",
     ]
     workloads = [("prefill", f"prefill b{results.get('prefill_batch', 1)} × {results['prefill_len']}"),
                  ("decode_b1", f"decode b1, context {results['context']} (threshold student)"),

@@ -39,7 +39,7 @@ from typing import Callable, Dict, List
 import torch
 from torchtune.modules.common_utils import delete_kv_caches
 
-from benchmarks import closed_form as cf
+from torchtune_dtf import closed_form as cf
 from benchmarks import compiled as compiled_benchmark
 from benchmarks.common import (build_dense, build_like, calibrate_student_threshold, cast_params, causal_cache_mask,
                                interleaved, median, paired_ratio, routed_layers, routing_for, shapes_for, sync)

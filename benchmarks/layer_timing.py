@@ -28,7 +28,7 @@ if __name__ == "__main__":
 
 import torch
 
-from benchmarks import closed_form as cf
+from torchtune_dtf import closed_form as cf
 from benchmarks.common import build_dense, build_like, median, routing_for, subnormals_flushed
 from benchmarks.run import GAMMA, prepare_training, timed_train_step
 

@@ -7,7 +7,7 @@
 
 Sections: flops, prefill, train, decode (includes the KV-cache accounting), overhead, naive.
 Every ratio is routed/dense measured in the same process, printed next to the closed form that
-``benchmarks/closed_form.py`` computes for the shape that runs. Results go to ``--out`` (JSON + Markdown).
+``torchtune_dtf/closed_form.py`` computes for the shape that runs. Results go to ``--out`` (JSON + Markdown).
 """
 
 import argparse
@@ -39,7 +39,7 @@ from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.common_utils import delete_kv_caches
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from benchmarks import closed_form as cf
+from torchtune_dtf import closed_form as cf
 from benchmarks.common import (
     build_dense,
     build_like,

@@ -70,7 +70,7 @@ study is resumable; delete a JSON to redo that run):
    ``<output_dir>/eleuther/eval_config.yaml``: the template's eval keys, the run's model and tokenizer (paths
    made absolute), and a ``RoutedHFCheckpointer`` on ``epoch_0``. It runs with ``HF_HOME=<work_dir>/hf_home``
    seeded with the offline ``gpt2`` stand-in (``torchtune_dtf.offline.lm_eval_standin``) and the hub switched off.
-4. **Compute**, closed form (``benchmarks/closed_form.py``: ``per_token_compute``) at the held-out ``seq_len``
+4. **Compute**, closed form (``torchtune_dtf/closed_form.py``: ``per_token_compute``) at the held-out ``seq_len``
    with the measured executed fractions: forward FLOPs per token of the deployed (student) model and of the
    dense model of the same shape, their ratio, KV bytes per token and ratio, and a distillation teacher's
    FLOPs per training token apart.
@@ -607,7 +607,7 @@ def run_eleuther(study: Dict[str, Any], rid: str, saved_config: Path, checkpoint
 
 
 def compute_summary(saved: Dict[str, Any], executed: Dict[int, float], seq_len: int) -> Dict[str, Any]:
-    from benchmarks import closed_form as cf
+    from torchtune_dtf import closed_form as cf
 
     model = saved["model"]
     shape = cf.model_shape_from_config(model)

@@ -13,7 +13,7 @@ import statistics
 import pytest
 import torch
 
-from benchmarks import closed_form as cf
+from torchtune_dtf import closed_form as cf
 from benchmarks import run as bench
 from benchmarks.common import build_dense, build_like, categorize_flops, flop_counter, routing_for, shapes_for
 from torchtune_dtf.modules import RoutedSelfAttentionLayer

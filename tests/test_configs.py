@@ -17,6 +17,13 @@ INFERENCE_CONFIGS = sorted((REPO / "configs" / "eval").glob("*.yaml")) + sorted(
 PAIRS = [(path, REPO / "configs" / path.name) for path in INFERENCE_CONFIGS]
 PAIRS += [(REPO / "configs" / "quickstart" / f"{kind}_stt_smollm2.yaml", REPO / "configs" / "quickstart" / "stt_smollm2.yaml")
           for kind in ("eval", "generate")]
+#: The study's recommended recipes for the quickstart model: level → the study run each config is, as trained.
+RECOMMENDED = {"0_90": ("experiments/budget_cpu200/study.yaml", "stt_d4_bi2_g625_all_nocurr_fixedcrit_bias_rlr10"),
+               "0_81": ("experiments/budget_cpu200/study.yaml", "stt_d5_bi6_all_nocurr_fixedcrit_bias_rlr10"),
+               "0_72": ("experiments/frontier/study.yaml", "stt_d6_bi10_all_rlr10")}
+PAIRS += [(REPO / "configs" / "quickstart" / f"{kind}_recommended_{level}_smollm2.yaml",
+           REPO / "configs" / "quickstart" / f"recommended_{level}_smollm2.yaml")
+          for level in RECOMMENDED for kind in ("eval", "generate")]
 
 
 def merged_model_section(train_cfg_path: Path) -> dict:
@@ -55,3 +62,22 @@ def test_inference_configs_deploy_a_student_that_holds_its_budget_while_generati
         if "student_routing_mode" in model:
             rules[inference.name] = model.student_routing_mode
     assert rules and {name for name, rule in rules.items() if rule != "window_topk"} == {"stt_dynamic_qwen0_5b.yaml"}
+
+
+@pytest.mark.parametrize("level", sorted(RECOMMENDED))
+def test_a_recommended_recipe_is_the_study_run_it_reports(level):
+    """configs/quickstart/recommended_*: the run's config file with its overrides and the study's budget applied,
+    key for key (only where it writes its outputs and how often it validates differ), so the header's numbers
+    describe what the config trains."""
+    from benchmarks.compiled import study_run
+
+    study_file, name = RECOMMENDED[level]
+    run = study_run(study_file, name)
+    expected = OmegaConf.load(REPO / run["config"])
+    budget = OmegaConf.load(REPO / "experiments/budget_cpu200/study.yaml").budget
+    for key, value in {**run["overrides"], **budget}.items():
+        OmegaConf.update(expected, key, value)
+    shipped = OmegaConf.load(REPO / "configs" / "quickstart" / f"recommended_{level}_smollm2.yaml")
+    for key in ("output_dir", "save_every_n_steps", "validation.every_n_steps"):
+        OmegaConf.update(expected, key, OmegaConf.select(shipped, key))
+    assert OmegaConf.to_container(shipped, resolve=False) == OmegaConf.to_container(expected, resolve=False)

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from torchtune_dtf.models import validate_routing
 from torchtune_dtf.evaluation.routing_plots import PLOTS
@@ -66,3 +67,27 @@ def test_quickstart_finishes_with_finite_losses_a_ranked_teacher_and_plots():
     # The STT run's pictures (routing_plots), each a PNG.
     for name in PLOTS:
         assert (work / "stt" / "plots" / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), name
+
+
+@pytest.mark.slow
+def test_the_planner_reproduces_the_shipped_quickstart_layer_lists(tmp_path):
+    """On the quickstart's real model and training text (prepared by the quickstart above), `python -m
+    torchtune_dtf.plan` gives the layer lists that the recommended recipes and the layer-dropping baseline ship."""
+    from torchtune_dtf.plan import main, plan_layers
+
+    work = REPO / "quickstart_work"
+    if not (work / "smollm2_hf" / "model.safetensors").is_file():
+        pytest.fail("quickstart_work/ is not prepared: run test_quickstart_finishes_… (or scripts/quickstart.sh) first")
+    quickstart = REPO / "configs" / "quickstart"
+    plan = main(["--config", str(quickstart / "recommended_0_81_smollm2.yaml"), "--drop", "5", "--route", "6",
+                 "--capacity", "0.5", "--json", str(tmp_path / "plan.json")])
+    ranking = json.loads((tmp_path / "plan.json").read_text())["inner_layers_by_influence"]
+    counts = {"recommended_0_90": dict(drop=4, route=2, capacity=0.625), "recommended_0_81": dict(drop=5, route=6, capacity=0.5),
+              "recommended_0_72": dict(drop=6, route=10, capacity=0.5), "layerdrop": dict(drop=7)}
+    for name, kwargs in counts.items():
+        model = OmegaConf.to_container(OmegaConf.load(quickstart / f"{name}_smollm2.yaml").model, resolve=True)
+        planned = plan_layers(model, ranking, seq_len=256, **kwargs).model_values()
+        assert sorted(planned["dropped_layers"]) == sorted(model["dropped_layers"]), name
+        if "routed_layers" in planned:
+            assert planned["routed_layers"] == model["routed_layers"] and planned["capacity"] == model["capacity"], name
+    assert plan.model_values()["routed_layers"] == [16, 25, 26, 11, 18, 2]

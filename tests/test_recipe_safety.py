@@ -41,6 +41,8 @@ def tiny_stand_in(path: Path):
         model.update(TINY_SHAPE)
         if "dropped_layers" in model:  # layer indices of the real shape; the tiny one has 4 layers
             model.dropped_layers = [2]
+        if not isinstance(model.get("routed_layers", "every_other"), str):  # a planned list of the real shape
+            model.routed_layers = [1]
     else:
         model._component_ = re.sub(r"qwen2_5_[0-9a-z_]+$", "qwen2_5_tiny", model._component_)
         model.vocab_size, model.max_seq_len = 151936, 256  # the tiny checkpoint's

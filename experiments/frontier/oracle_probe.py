@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this checkout's benchmarks (closed-form FLOPs)
 
-from benchmarks import closed_form  # noqa: E402
+from torchtune_dtf import closed_form  # noqa: E402
 from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, load_trained  # noqa: E402
 from torchtune_dtf.modules import RoutingContext
 
@@ -215,7 +215,7 @@ def stt_teacher_at_init(stt_cfg, shape: Shape, windows: torch.Tensor, batch_size
 
 
 def shape_flops_ratio(stt_model: Dict, shape: Shape, seq_len: int) -> float:
-    """Closed-form forward FLOPs per token of ``shape`` against dense (``benchmarks/closed_form.py``), as the study
+    """Closed-form forward FLOPs per token of ``shape`` against dense (``torchtune_dtf/closed_form.py``), as the study
     counts its runs: a routed shape is the STT student of ``stt_model`` (the STT config's ``model`` section) at γ per
     routed layer, its routers included, nothing on the skip path; a shape without routed layers is layer dropping."""
     if shape.routed:
@@ -252,7 +252,7 @@ def markdown(probe: Dict, runs_dir: Path) -> str:
              "updates in hindsight; `stt teacher (init)`: the untrained STT model's teacher (top-k on surprise, "
              f"final γ and β). The last column is the study's trained runs of each shape (`{runs_dir}`; student "
              "held-out loss and measured forward FLOPs, mean over the seeds landed): what 60 steps of training make "
-             "of the shape. FLOPs: closed-form forward FLOPs per token against dense (`benchmarks/closed_form.py`) "
+             "of the shape. FLOPs: closed-form forward FLOPs per token against dense (`torchtune_dtf/closed_form.py`) "
              "of the shape as the STT student at γ (routers counted, nothing on the skip path), or as layer dropping; "
              "shapes without a trained run are probes only.", "",
              "| shape | FLOPs | dropped | routed (γ) | K/V | selection | loss | − dense | trained in the study: run, "

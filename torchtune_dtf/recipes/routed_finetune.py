@@ -59,7 +59,8 @@ from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params, g
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from torchtune_dtf.models.routing_config import KEYS_ADDED_LATER, REQUIRED_KEYS as ROUTING_KEYS, STATIC_VARIANTS
+from torchtune_dtf.models.qwen2_5 import dense_model_config
+from torchtune_dtf.models.routing_config import KEYS_ADDED_LATER, STATIC_VARIANTS
 from torchtune_dtf.modules import ROUTING_MODULE_GROUPS, routing_group_of
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import RoutingContext
@@ -222,23 +223,6 @@ def resume_fingerprint(cfg: DictConfig, world_size: int) -> Dict[str, Any]:
         value = OmegaConf.select(cfg, key)
         add(key, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
     return flat
-
-
-def dense_model_config(cfg_model: DictConfig) -> DictConfig:
-    """The model config of the dense model with the same architecture (and LoRA settings): the routing
-    keys removed, ``variant: dense`` (component builders) or the ``dense_`` builder of the same size."""
-    variant = _variant_of(cfg_model)
-    dense = OmegaConf.to_container(cfg_model, resolve=True)
-    for key in ROUTING_KEYS[variant]:
-        dense.pop(key, None)
-    if "variant" in dense:
-        dense["variant"] = "dense"
-    else:
-        module, builder = dense["_component_"].rsplit(".", 1)
-        lora = builder.startswith("lora_")
-        size = builder.removeprefix("lora_").split("_", 1)[1]
-        dense["_component_"] = f"{module}.{'lora_' if lora else ''}dense_{size}"
-    return OmegaConf.create(dense)
 
 
 @functools.lru_cache(maxsize=8)
@@ -427,7 +411,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         """The distillation teacher: the *starting* weights (``checkpointer.checkpoint_dir``, also when this
         run resumes) as a dense model of the same architecture, frozen. Every layer runs on every token —
         dropped layers and routed layers alike — so its logits are the pretrained model's."""
-        teacher_cfg = dense_model_config(cfg.model)
+        teacher_cfg = OmegaConf.create(dense_model_config(OmegaConf.to_container(cfg.model, resolve=True)))
         fresh = config.instantiate(cfg.checkpointer, should_load_recipe_state=False)
         state = fresh.load_checkpoint()[training.MODEL_KEY]
         with training.set_default_dtype(self._dtype), torch.device(self._device):

@@ -992,3 +992,31 @@ def merged_model_config(model_cfg: Mapping[str, Any]) -> dict:
     merged = {key: value for key, value in cfg.items() if key not in LORA_ARGUMENTS}
     merged["_component_"] = f"{module_name}.{twin}"
     return merged
+
+
+#: Every key that routes (any variant's); none of them is an architecture or LoRA argument.
+_ALL_ROUTING_KEYS = frozenset(key for keys in REQUIRED_KEYS.values() for key in keys)
+
+
+def dense_model_config(model_cfg: Mapping[str, Any]) -> dict:
+    """The model config of the dense model with the same architecture (and LoRA settings): every routing key
+    removed, ``variant: dense`` for the component builders or the ``dense_`` builder of the same size.
+
+    Every layer of that model runs every token, dropped and routed layers alike: the distillation teacher and the
+    layer planner's base model (its block influence) are this model on the starting weights.
+
+    Args:
+        model_cfg (Mapping[str, Any]): a config's ``model`` section, ``_component_`` included.
+
+    Returns:
+        dict: the dense model's ``model`` section.
+    """
+    dense = {key: value for key, value in dict(model_cfg).items() if key not in _ALL_ROUTING_KEYS}
+    if "variant" in dense:
+        dense["variant"] = "dense"
+        return dense
+    module_name, _, builder = str(dense["_component_"]).rpartition(".")
+    lora = builder.startswith("lora_")
+    size = builder.removeprefix("lora_").split("_", 1)[1]
+    dense["_component_"] = f"{module_name}.{'lora_' if lora else ''}dense_{size}"
+    return dense

@@ -1,0 +1,109 @@
+"""torchtune_dtf.plan: block influence against Hugging Face's hidden states, the placement rule, the FLOP target,
+the shipped planned configs reproduced from their command, and clear errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.test_recipe import load_config, run_recipe, train_assets, workdir  # noqa: F401  (fixtures)
+from torchtune_dtf import closed_form
+from torchtune_dtf.modules.layers import DroppedLayer, STTLayer
+from torchtune_dtf.plan import block_influence, inner_layers_by_influence, main, plan_layers, planned_config_text
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "configs" / "quickstart"
+#: The frontier study's measurement on the quickstart model's training text (experiments/frontier/block_influence.json).
+STUDY_RANKING = json.loads((REPO / "experiments/frontier/block_influence.json").read_text())["inner_layers_by_influence"]
+
+
+def test_block_influence_equals_one_minus_cosine_of_hugging_face_hidden_states(workdir):
+    from transformers import Qwen2ForCausalLM
+
+    from torchtune_dtf.evaluation.routing_report import load_trained
+    from torchtune_dtf.models.qwen2_5 import dense_model_config
+
+    cfg = load_config("stt_train")
+    OmegaConf.update(cfg, "model", dense_model_config(OmegaConf.to_container(cfg.model)), merge=False)
+    ours = load_trained(cfg, workdir / "tiny_qwen2_5_hf")
+    windows = torch.randint(0, 151936, (3, 24), generator=torch.Generator().manual_seed(0))
+    influence = block_influence(ours, windows, batch_size=2)
+
+    reference = Qwen2ForCausalLM.from_pretrained(workdir / "tiny_qwen2_5_hf").eval()
+    with torch.no_grad():
+        hidden = reference(windows, output_hidden_states=True).hidden_states  # [embeddings, layer 0 out, …]
+    # Hugging Face's last entry is after the final norm, so the reference covers every layer but the last.
+    expected = [(1 - torch.cosine_similarity(hidden[i], hidden[i + 1], dim=-1)).mean().item() for i in range(3)]
+    assert influence[:3] == pytest.approx(expected, abs=1e-5)
+    assert len(set(round(v, 6) for v in influence)) == 4  # four different values: a ranking, not ties
+
+
+def _quickstart_section(name: str) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(QUICKSTART / name).model, resolve=True)
+
+
+def test_the_rule_drops_the_least_influential_and_routes_the_next():
+    assert inner_layers_by_influence([0.9, 0.3, 0.1, 0.2, 0.1, 0.8]) == [2, 4, 3, 1]  # never layer 0 or 5; ties by index
+    section = _quickstart_section("stt_smollm2.yaml")
+    plan = plan_layers(section, STUDY_RANKING, seq_len=256, drop=5, route=6, capacity=0.5)
+    assert plan.dropped_layers == [14, 13, 17, 15, 12] and plan.routed_layers == [16, 25, 26, 11, 18, 2]
+    assert plan.model_values() == {"dropped_layers": [14, 13, 17, 15, 12], "routed_layers": [16, 25, 26, 11, 18, 2],
+                                   "capacity": 0.5}
+    shape = closed_form.model_shape_from_config(section)
+    routing = closed_form.routing_shape_from_model_config({**section, **plan.model_values()}, 30, 576)
+    assert plan.flop_ratio == pytest.approx(closed_form.flop_ratio(shape, routing, 256))
+
+
+def test_a_flop_target_routes_the_fewest_layers_that_reach_it():
+    section = _quickstart_section("stt_smollm2.yaml")
+    plan = plan_layers(section, STUDY_RANKING, seq_len=256, drop=5, capacity=0.5, target_flops=0.85)
+    assert plan.flop_ratio <= 0.85
+    one_fewer = plan_layers(section, STUDY_RANKING, seq_len=256, drop=5, capacity=0.5, route=len(plan.routed_layers) - 1)
+    assert one_fewer.flop_ratio > 0.85
+    # Layer dropping alone: the target sets the number of dropped layers.
+    layerdrop = _quickstart_section("layerdrop_smollm2.yaml")
+    dropped = plan_layers(layerdrop, STUDY_RANKING, seq_len=256, target_flops=0.81)
+    assert dropped.flop_ratio <= 0.81 < plan_layers(layerdrop, STUDY_RANKING, seq_len=256, drop=len(dropped.dropped_layers) - 1).flop_ratio
+    assert dropped.dropped_layers == STUDY_RANKING[: len(dropped.dropped_layers)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(drop=5, route=6), "needs --drop .* and --capacity"),
+    (dict(drop=5, capacity=0.5), "exactly one of --route"),
+    (dict(drop=5, capacity=0.5, route=6, target_flops=0.8), "exactly one of --route"),
+    (dict(drop=5, capacity=0.5, target_flops=0.3), "routing every remaining inner layer gives"),
+    (dict(drop=8, capacity=0.5, target_flops=0.85), "dropping 8 layers alone gives"),
+    (dict(drop=28, capacity=0.5, route=1), "28 inner layers"),
+])
+def test_a_plan_that_cannot_be_made_says_why(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_layers(_quickstart_section("stt_smollm2.yaml"), STUDY_RANKING, seq_len=256, **kwargs)
+
+
+def test_the_planned_config_keeps_every_other_line():
+    text = (QUICKSTART / "stt_smollm2.yaml").read_text()
+    plan = plan_layers(_quickstart_section("stt_smollm2.yaml"), STUDY_RANKING, seq_len=256, drop=4, route=2, capacity=0.625)
+    planned = planned_config_text(text, plan, "planned here")
+    changed = [(a, b) for a, b in zip(text.splitlines(), planned.splitlines()) if a != b]
+    assert len(changed) == 3 and len(planned.splitlines()) == len(text.splitlines())
+    model = OmegaConf.create(planned).model
+    assert list(model.dropped_layers) == [14, 13, 17, 15] and list(model.routed_layers) == [12, 16] and model.capacity == 0.625
+    with pytest.raises(ValueError, match="no line for capacity"):
+        planned_config_text(text.replace("  capacity: 0.5\n", ""), plan, "x")
+
+
+def test_the_shipped_tiny_planned_config_is_the_planner_output(workdir, capsys):
+    """configs/tiny/stt_planned_train.yaml is what its header's command writes on the tiny checkpoint, and trains."""
+    shipped = REPO / "configs" / "tiny" / "stt_planned_train.yaml"
+    plan = main(["--config", str(REPO / "configs/tiny/stt_train.yaml"), "--drop", "1", "--route", "1",
+                 "--capacity", "0.5", "--write", str(workdir / "planned.yaml"), "--json", str(workdir / "plan.json")])
+    assert (workdir / "planned.yaml").read_text().split("\n", 1)[1] == shipped.read_text().split("\n", 1)[1]
+    measured = json.loads((workdir / "plan.json").read_text())
+    assert plan.dropped_layers == measured["inner_layers_by_influence"][:1]
+    assert "forward FLOPs / dense at T = 48" in capsys.readouterr().out
+    cfg = load_config("stt_planned_train", max_steps_per_epoch=2)
+    recipe = run_recipe(cfg)
+    assert isinstance(recipe._model.layers[plan.dropped_layers[0]], DroppedLayer)
+    assert isinstance(recipe._model.layers[plan.routed_layers[0]], STTLayer)
