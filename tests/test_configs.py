@@ -17,6 +17,7 @@ INFERENCE_CONFIGS = sorted((REPO / "configs" / "eval").glob("*.yaml")) + sorted(
 PAIRS = [(path, REPO / "configs" / path.name) for path in INFERENCE_CONFIGS]
 PAIRS += [(REPO / "configs" / "quickstart" / f"{kind}_stt_smollm2.yaml", REPO / "configs" / "quickstart" / "stt_smollm2.yaml")
           for kind in ("eval", "generate")]
+PAIRS += [(REPO / "configs" / "quickstart" / "eval_dense_smollm2.yaml", REPO / "configs" / "quickstart" / "dense_smollm2.yaml")]
 #: The study's recommended recipes for the quickstart model: level → the study run each config is, as trained.
 RECOMMENDED = {"0_90": ("experiments/budget_cpu200/study.yaml", "stt_d4_bi2_g625_all_nocurr_fixedcrit_bias_rlr10"),
                "0_81": ("experiments/budget_cpu200/study.yaml", "stt_d5_bi6_all_nocurr_fixedcrit_bias_rlr10"),

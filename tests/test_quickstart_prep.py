@@ -614,6 +614,30 @@ def test_split_is_disjoint_and_deterministic(prepared, tmp_path):
     assert [w.work_id for w in held_w] == ["milton/garden_poem", "milton/orchard_collection"]
 
 
+def test_heldout_works_split_into_validation_then_test_by_whole_works(prepared):
+    """Choices read validation.jsonl, the score reads test.jsonl: no work on both sides, the test side is the
+    held-out file's tail (earlier studies read only its head), and heldout.jsonl is validation then test."""
+    out, manifest = prepared
+    validation, test = _read_jsonl(out / "validation.jsonl"), _read_jsonl(out / "test.jsonl")
+    assert validation and test
+    assert _read_jsonl(out / "heldout.jsonl") == validation + test
+    validation_works, test_works = [r["work"] for r in validation], [r["work"] for r in test]
+    assert not set(validation_works) & set(test_works)
+    assert list(dict.fromkeys(validation_works)) == manifest["validation"]["works"]
+    assert list(dict.fromkeys(test_works)) == manifest["test"]["works"]
+    assert manifest["heldout"]["works"] == manifest["validation"]["works"] + manifest["test"]["works"]
+    # The fewest tail works that reach the share: without the first test work the share is missed.
+    works, _ = corpus_mod.load_works(SOURCE)
+    by_id = {w.work_id: w for w in works}
+    without_first = sum(by_id[w].chars for w in manifest["test"]["works"][1:])
+    held_work_chars = sum(by_id[w].chars for w in manifest["heldout"]["works"])
+    assert without_first < 0.3 * held_work_chars <= without_first + by_id[manifest["test"]["works"][0]].chars
+    with pytest.raises(ValueError, match="test_fraction"):
+        corpus_mod.split_validation_test([by_id[w] for w in manifest["heldout"]["works"]], 1.0)
+    with pytest.raises(ValueError, match="at least 2 held-out works"):
+        corpus_mod.split_validation_test([by_id[manifest["heldout"]["works"][0]]], 0.3)
+
+
 def test_task_items_have_one_true_next_sentence_among_four(prepared):
     out, manifest = prepared
     items = _read_jsonl(out / "lm_eval_tasks" / "heldout_next_sentence.jsonl")

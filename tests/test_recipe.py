@@ -204,6 +204,22 @@ def test_missing_required_key_fails_before_training():
     assert "beta_schedule.beta_cu_end" in str(err.value) and "learning_rates" in str(err.value)
 
 
+def test_one_command_line_trains_dense_and_routed_configs_with_calibration_off():
+    # scripts/quickstart.sh passes student_calibration.batches=0 to both runs: the dense config (no such section)
+    # accepts it; a routed config still needs its whole section, and a dense one asking for calibration is refused.
+    dense = load_config("dense_train")
+    assert "student_calibration" not in dense
+    OmegaConf.update(dense, "student_calibration.batches", 0, force_add=True)
+    validate_recipe_config(dense)
+    OmegaConf.update(dense, "student_calibration.batches", 2, force_add=True)
+    with pytest.raises(ValueError, match="student_calibration.rounds must be a positive integer, got None"):
+        validate_recipe_config(dense)
+    routed = load_config("stt_train")
+    del routed["student_calibration"]["rounds"]
+    with pytest.raises(ValueError, match="missing required key.*student_calibration.rounds"):
+        validate_recipe_config(routed)
+
+
 def test_missing_routing_hyperparameter_fails_at_model_build(workdir):
     cfg = load_config("stt_train")
     del cfg["model"]["ma_window"]
@@ -273,6 +289,35 @@ def test_routing_report_gives_a_teacher_without_ties_or_position_bias(workdir, c
         assert 0.25 < row["teacher/teacher_first_half_share"] < 0.75
     out = capsys.readouterr().out
     assert "routed student" in out and "first_half" in out
+
+    # The side-by-side a user reads: windows spread over the whole file, a paired interval, speed beside the FLOP
+    # ratio, greedy continuations with their symptoms, the stock eval's numbers of both.
+    for name in ("dense", "stt"):
+        Path(f"{name}_eval.json").write_text(json.dumps({"results": {"task": {"acc,none": 0.25 if name == "dense" else 0.5}}}))
+    side = routing_report.main([
+        "--dense", str(TINY / "dense_train.yaml"), "dense_run/epoch_0",
+        "--routed", str(TINY / "stt_train.yaml"), "stt_run/epoch_0",
+        "--heldout", "corpus.jsonl", "--windows", "4", "--seq-len", "24", "--batch-size", "2", "--spread",
+        "--diagnostic-windows", "2",
+        "--bootstrap", "200", "--speed-rounds", "1", "--new-tokens", "5", "--prompt", "The king", "--prompt", "O",
+        "--eleuther", "dense_eval.json", "stt_eval.json",
+    ])
+    assert side["heldout"]["placement"] == "spread" and side["loss"] != report["loss"]  # other windows
+    assert side["diagnostic_windows"] == 2 and report["diagnostic_windows"] == 4
+    gap = side["student_minus_dense"]
+    assert gap["mean"] == pytest.approx(side["loss"]["routed_student"] - side["loss"]["dense"])
+    assert gap["interval_95"][0] <= gap["mean"] <= gap["interval_95"][1] and gap["interval_95"][0] < gap["interval_95"][1]
+    assert 0.5 < side["flop_ratio"] < 1.0  # two of four layers routed at γ = 0.5
+    for key in ("prefill_tokens_per_s", "generate_tokens_per_s"):
+        assert set(side["speed"][key]) == {"dense", "routed"} and all(v > 0 for v in side["speed"][key].values())
+    for name in ("dense", "routed"):
+        rows = side["continuations"][name]
+        assert [row["prompt"] for row in rows] == ["The king", "O"]
+        assert all(1 <= row["tokens"] <= 5 and 0 <= row["newline_share"] <= 1 and 0 <= row["distinct_2"] <= 1 for row in rows)
+    assert side["eleuther"]["routed"] == {"task": {"acc,none": 0.5}}
+    out = capsys.readouterr().out
+    assert "routed/dense" in out and "Greedy continuations, routed" in out and "distinct-2" in out
+    assert "dense   task: acc 0.250" in out and "paired bootstrap" in out
 
 
 # ------------------------------------------------------------------------- packing, scheduled sampling

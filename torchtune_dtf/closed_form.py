@@ -592,6 +592,12 @@ def routing_shape_from_model_config(model: Mapping, num_layers: int, embed_dim: 
     )
 
 
+def model_config_flop_ratio(model: Mapping, seq_len: int) -> float:
+    """Routed/dense forward FLOP ratio (routers included) of a recipe's ``model`` section at ``seq_len`` tokens."""
+    shape = model_shape_from_config(model)
+    return flop_ratio(shape, routing_shape_from_model_config(model, shape.num_layers, shape.embed_dim), seq_len)
+
+
 def routing_shape(variant: str, num_layers: int, embed_dim: int, routing: Dict) -> RoutingShape:
     """:class:`RoutingShape` from a builder's routing kwargs, checked by the package's own validator first."""
     if variant == "dense":

@@ -99,10 +99,7 @@ class Plan:
 
 
 def _flop_ratio(model_section: Mapping, values: Mapping, seq_len: int) -> float:
-    section = {**model_section, **values}
-    shape = closed_form.model_shape_from_config(section)
-    routing = closed_form.routing_shape_from_model_config(section, shape.num_layers, shape.embed_dim)
-    return closed_form.flop_ratio(shape, routing, seq_len)
+    return closed_form.model_config_flop_ratio({**model_section, **values}, seq_len)
 
 
 def plan_layers(

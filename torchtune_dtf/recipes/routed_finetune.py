@@ -186,7 +186,9 @@ def _check_values(cfg: DictConfig) -> None:
 
 
 def _calibration_problems(cfg: DictConfig) -> List[str]:
-    batches, rounds = cfg.student_calibration.batches, cfg.student_calibration.rounds
+    # A static variant need not carry the section; `student_calibration.batches=0` on its command line (a script
+    # that trains dense and routed with one command) is then the only key, and rounds are never used.
+    batches, rounds = cfg.student_calibration.get("batches"), cfg.student_calibration.get("rounds")
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
     if not (is_int(batches) and batches >= 0):
         return [f"student_calibration.batches must be an integer ≥ 0 (0 = off), got {batches!r}"]
