@@ -1,5 +1,6 @@
 """torchtune_dtf.evaluation.side_by_side: the measures the quickstart report puts side by side (window losses and their
-paired interval, greedy continuations through the KV cache, the degeneration symptoms, windows spread over a file)."""
+paired interval, greedy continuations through the KV cache, the degeneration symptoms) and routing_report's windows
+spread over a file."""
 
 import json
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from tests.conftest import build_tiny
 from torchtune_dtf.evaluation import side_by_side
+from torchtune_dtf.evaluation.routing_report import heldout_windows
 
 
 class _Tokenizer:
@@ -82,10 +84,10 @@ def test_spread_windows_reach_the_end_of_the_file(tmp_path):
     docs = [chr(97 + i) * 30 for i in range(10)]  # ten documents, each one letter
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     tokenizer = _Tokenizer()
-    windows = side_by_side.spread_windows(tokenizer, path, seq_len=8, num_windows=5)
+    windows = heldout_windows(tokenizer, path, seq_len=8, num_windows=5, spread=True)
     assert windows.shape == (5, 8)
     letters = [tokenizer.encode(chr(97 + i), add_eos=False)[0] for i in range(10)]
     starts = [int(w[0]) for w in windows]
     assert starts[0] == letters[0] and starts[-1] in letters[7:]  # the last window lies in the file's last documents
     with pytest.raises(ValueError, match="fewer than 50 windows"):
-        side_by_side.spread_windows(tokenizer, path, seq_len=8, num_windows=50)
+        heldout_windows(tokenizer, path, seq_len=8, num_windows=50, spread=True)

@@ -88,17 +88,20 @@ def command_line_overrides(
     return args, rest
 
 
-def heldout_windows(tokenizer, heldout_file: Path, seq_len: int, num_windows: int) -> torch.Tensor:
-    """The first ``num_windows`` windows of ``seq_len`` tokens of the concatenated held-out documents."""
+def heldout_windows(tokenizer, heldout_file: Path, seq_len: int, num_windows: int, *, spread: bool = False) -> torch.Tensor:
+    """``[num_windows, seq_len]`` windows of the concatenated held-out documents (each encoded with EOS): the first
+    ones, or with ``spread`` windows evenly spaced over the whole file (every work of a test file is read)."""
+    needed = seq_len * num_windows
     ids: List[int] = []
     with open(heldout_file, encoding="utf-8") as f:
         for line in f:
             ids += tokenizer.encode(json.loads(line)["text"], add_bos=False, add_eos=True)
-            if len(ids) >= seq_len * num_windows:
+            if len(ids) >= needed and not spread:
                 break
-    if len(ids) < seq_len * num_windows:
+    if len(ids) < needed:
         raise ValueError(f"{heldout_file} holds {len(ids)} tokens, fewer than {num_windows} windows of {seq_len}")
-    return torch.tensor(ids[: seq_len * num_windows]).view(num_windows, seq_len)
+    stride = len(ids) // num_windows if spread else seq_len
+    return torch.stack([torch.tensor(ids[i * stride : i * stride + seq_len]) for i in range(num_windows)])
 
 
 def load_trained(cfg: DictConfig, checkpoint_dir: Path) -> torch.nn.Module:
@@ -190,8 +193,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     routed_overrides, dense_overrides = split_overrides(overrides)
     dense_cfg, routed_cfg = load_config(args.dense[0], dense_overrides), load_config(args.routed[0], routed_overrides)
     tokenizer = config.instantiate(routed_cfg.tokenizer)
-    pick = side_by_side.spread_windows if args.spread else heldout_windows
-    windows = pick(tokenizer, args.heldout, args.seq_len, args.windows)
+    windows = heldout_windows(tokenizer, args.heldout, args.seq_len, args.windows, spread=args.spread)
     dense = load_trained(dense_cfg, Path(args.dense[1]))
     routed = load_trained(routed_cfg, Path(args.routed[1]))
     beta = routed_cfg.beta_schedule

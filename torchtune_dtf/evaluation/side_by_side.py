@@ -1,8 +1,6 @@
 """What a user compares between a dense and a routed model: loss per window with an interval, measured speed, and
 what greedy decoding writes.
 
-- :func:`spread_windows`: ``num_windows`` windows of ``seq_len`` tokens spaced evenly over a whole JSONL file (every
-  work of a test file is read, not only its first one).
 - :func:`window_losses` and :func:`paired_bootstrap`: the per-window loss of each model and a bootstrap interval of
   the mean difference, resampling windows (both models scored on the same resampled windows), so the interval
   covers text sampling, which seeds do not.
@@ -13,9 +11,7 @@ what greedy decoding writes.
   text: the share of generated characters that are newlines, and the share of distinct token bigrams.
 """
 
-import json
 import time
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -24,19 +20,6 @@ from torchtune import generation
 from torchtune.modules.common_utils import delete_kv_caches
 
 from torchtune_dtf.modules.routing_context import RoutingContext
-
-
-def spread_windows(tokenizer, data_file: Path, seq_len: int, num_windows: int) -> torch.Tensor:
-    """``[num_windows, seq_len]`` token windows evenly spaced over the concatenated documents of ``data_file`` (each
-    document encoded with EOS, as :func:`~torchtune_dtf.evaluation.routing_report.heldout_windows` does)."""
-    ids: List[int] = []
-    with open(data_file, encoding="utf-8") as f:
-        for line in f:
-            ids += tokenizer.encode(json.loads(line)["text"], add_bos=False, add_eos=True)
-    if len(ids) < seq_len * num_windows:
-        raise ValueError(f"{data_file} holds {len(ids)} tokens, fewer than {num_windows} windows of {seq_len}")
-    stride = len(ids) // num_windows
-    return torch.stack([torch.tensor(ids[i * stride : i * stride + seq_len]) for i in range(num_windows)])
 
 
 @torch.no_grad()
