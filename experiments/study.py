@@ -19,6 +19,8 @@ Study file (YAML)
     keep_checkpoints: true                             # optional (default true); false deletes a run's epoch_0
                                                        # once its JSON is written (135M: ~1.6 GB with the optimizer)
     heldout: {file: quickstart_work/corpus/heldout.jsonl, windows: 16, seq_len: 256, batch_size: 4}
+    test: {file: quickstart_work/corpus/test.jsonl, windows: 64, seq_len: 256, spread: true}   # optional: scored
+                                                       # once per finished run, never by a choice (see below)
     eleuther:                                          # or null to skip the stock eleuther_eval step
       config: configs/quickstart/eval_stt_smollm2.yaml # template: every eval key but model/tokenizer/checkpointer
       include_path: quickstart_work/corpus/lm_eval_tasks   # optional; default: the template's, relative to cwd
@@ -70,6 +72,9 @@ study is resumable; delete a JSON to redo that run):
    ``<output_dir>/eleuther/eval_config.yaml``: the template's eval keys, the run's model and tokenizer (paths
    made absolute), and a ``RoutedHFCheckpointer`` on ``epoch_0``. It runs with ``HF_HOME=<work_dir>/hf_home``
    seeded with the offline ``gpt2`` stand-in (``torchtune_dtf.offline.lm_eval_standin``) and the hub switched off.
+   With a ``test`` section, the student loss of every test window too (``spread``: windows evenly spaced over the
+   whole file, so every work is read); the study's choices read the held-out (validation) file, the test file is
+   read once, here, and ``aggregate`` pairs runs on it window by window.
 4. **Compute**, closed form (``torchtune_dtf/closed_form.py``: ``per_token_compute``) at the held-out ``seq_len``
    with the measured executed fractions: forward FLOPs per token of the deployed (student) model and of the
    dense model of the same shape, their ratio, KV bytes per token and ratio, and a distillation teacher's
@@ -85,7 +90,8 @@ started, seconds, returncode, log, interrupted?}]), ``wall_time_s`` {train,
 heldout_eval, eleuther, eval}, ``curves`` {steps: [...], series: {key: [value or null per step]}} (every key the
 DiskLogger logged: ``loss/*``, ``val/lm_loss_student``, ``val/lm_loss_teacher``, ``routing/layer_i/*``, ``lr/*``,
 …), ``heldout`` {file, windows, seq_len, tokens, student_loss, teacher_loss (null for dense), teacher_beta
-{ce, cu}}, ``layers`` {layer: {student/selected_fraction, teacher/teacher_fraction, teacher/agreement_*, …}},
+{ce, cu}}, ``test`` (only with a test section: {file, windows, seq_len, placement, tokens, student_loss,
+window_losses}), ``layers`` {layer: {student/selected_fraction, teacher/teacher_fraction, teacher/agreement_*, …}},
 ``executed_fraction`` {layer: student fraction}, ``executed_fraction_mean``, ``eleuther`` (null when skipped;
 else {tasks, limit, results: {task: {metric: value, metric_stderr: value}}, mc_acc: mean ``acc`` over tasks}),
 ``compute`` (``per_token_compute``: seq_len, forward_flops_per_token, dense_forward_flops_per_token,
@@ -172,6 +178,15 @@ def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
     absolute = lambda p: str((root / p).resolve()) if p is not None else None  # noqa: E731
     study["out_dir"], study["work_dir"] = absolute(study["out_dir"]), absolute(study["work_dir"])
     study["heldout"] = {"batch_size": 4, **study["heldout"], "file": absolute(study["heldout"]["file"])}
+    if study.get("test"):  # optional (a study without one writes the study.json it always wrote)
+        test = dict(study["test"])
+        missing = [key for key in ("file", "windows", "seq_len", "spread") if key not in test]
+        if missing:
+            raise StudyError(f"{path}: test needs {{file, windows, seq_len, spread}}; missing {missing}")
+        if Path(absolute(test["file"])) == Path(study["heldout"]["file"]):
+            raise StudyError(f"{path}: test file {test['file']!r} is the held-out (validation) file; a test set must "
+                             "be text no choice has looked at")
+        study["test"] = {"batch_size": 4, **test, "file": absolute(test["file"])}
     if study["eleuther"]:
         el = dict(study["eleuther"])
         el["config"] = absolute(el["config"])
@@ -489,6 +504,29 @@ def heldout_evaluation(saved_config: Path, checkpoint_dir: Path, heldout: Dict[s
     return {"heldout": out, "layers": {str(k): v for k, v in layers.items()}}
 
 
+def test_evaluation(saved_config: Path, checkpoint_dir: Path, test: Dict[str, Any]) -> Dict[str, Any]:
+    """The deployed (student) loss of a trained run on the test windows, each window's loss kept so that runs can be
+    compared window by window (``side_by_side.paired_bootstrap``): the test set is scored once, at the end."""
+    from omegaconf import OmegaConf
+    from torchtune import config
+
+    from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
+    from torchtune_dtf.evaluation.routing_report import heldout_windows, load_trained
+    from torchtune_dtf.evaluation.side_by_side import window_losses
+
+    cfg = OmegaConf.load(saved_config)
+    windows = heldout_windows(config.instantiate(cfg.tokenizer), Path(test["file"]), int(test["seq_len"]),
+                              int(test["windows"]), spread=bool(test["spread"]))
+    model = load_trained(cfg, checkpoint_dir)
+    routed = any(isinstance(m, RoutedSelfAttentionLayer) for m in model.modules())
+    losses = window_losses(model, windows, (lambda: RoutingContext(mode="student")) if routed else None,
+                           int(test.get("batch_size", 4)))
+    del model
+    return {"file": test["file"], "windows": int(test["windows"]), "seq_len": int(test["seq_len"]),
+            "placement": "spread" if test["spread"] else "first", "tokens": int(windows[:, 1:].numel()),
+            "student_loss": float(losses.mean()), "window_losses": [round(float(v), 6) for v in losses]}
+
+
 def _absolutize_paths(section: Dict[str, Any], root: Path) -> Dict[str, Any]:
     out = {}
     for key, value in section.items():
@@ -635,6 +673,9 @@ def dumps_result(result: Dict[str, Any]) -> str:
             body = (f'{{\n  "steps": {json.dumps(value["steps"], separators=(",", ":"))},\n'
                     f'  "series": {{\n{series}\n  }}\n }}')
             lines.append(f" {json.dumps(key)}: {body}")
+        elif key == "test":  # the per-window losses on one line
+            fields = [f'  {json.dumps(k)}: {json.dumps(v, separators=(",", ":"))}' for k, v in value.items()]
+            lines.append(f" {json.dumps(key)}: {{\n" + ",\n".join(fields) + "\n }")
         else:
             lines.append(f" {json.dumps(key)}: " + json.dumps(value, indent=1).replace("\n", "\n "))
     return "{\n" + ",\n".join(lines) + "\n}\n"
@@ -657,6 +698,12 @@ def run_one(study: Dict[str, Any], run: Dict[str, Any], seed: int) -> Path:
     start = time.perf_counter()
     evaluation = heldout_evaluation(saved_config, checkpoint_dir, study["heldout"])
     heldout_seconds = time.perf_counter() - start
+    test, test_seconds = None, None
+    if study.get("test"):
+        print(f"== {rid}: test windows", flush=True)
+        start = time.perf_counter()
+        test = test_evaluation(saved_config, checkpoint_dir, study["test"])
+        test_seconds = time.perf_counter() - start
     eleuther, eleuther_seconds = None, 0.0
     if study.get("eleuther"):
         eleuther, eleuther_seconds = run_eleuther(study, rid, saved_config, checkpoint_dir)
@@ -684,8 +731,10 @@ def run_one(study: Dict[str, Any], run: Dict[str, Any], seed: int) -> Path:
         "train_attempts": marker.get("attempts", []),
         "wall_time_s": {"train": marker["train_seconds"], "heldout_eval": heldout_seconds,
                         "eleuther": eleuther_seconds if eleuther else None,
-                        "eval": heldout_seconds + eleuther_seconds},
+                        "eval": heldout_seconds + eleuther_seconds,
+                        **({"test_eval": test_seconds} if test is not None else {})},
         "heldout": evaluation["heldout"],
+        **({"test": test} if test is not None else {}),
         "layers": evaluation["layers"],
         "executed_fraction": {str(k): v for k, v in sorted(executed.items())},
         "executed_fraction_mean": statistics.fmean(executed.values()) if executed else None,
@@ -773,6 +822,61 @@ def paired_difference(diffs: Sequence[float]) -> Dict[str, Any]:
     se = sd / math.sqrt(n)
     half = t975(n - 1) * se
     return {"n": n, "mean": mean, "sd": sd, "se": se, "ci95": (mean - half, mean + half)}
+
+
+def seed_window_bootstrap(pairs: Sequence[Tuple[Sequence[float], Sequence[float]]], *, resamples: int, seed: int,
+                          level: float = 0.95) -> Dict[str, Any]:
+    """Mean of run − baseline over seeds and test windows, with a percentile interval from a two-level bootstrap:
+    each resample draws seeds with replacement (a run paired with its baseline of the same seed) and windows with
+    replacement (the same windows for both, as every run reads the same test windows), so the interval covers text
+    sampling as well as training noise. ``pairs``: per seed, (run's window losses, baseline's window losses)."""
+    import numpy as np
+
+    lengths = sorted({len(losses) for pair in pairs for losses in pair})
+    if not pairs or len(lengths) != 1 or lengths[0] == 0:
+        raise ValueError(f"pairs must hold per-window losses of one length for every seed, got lengths {lengths}")
+    diffs = np.array([np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64) for a, b in pairs])
+    rng = np.random.default_rng(seed)
+    n_seeds, n_windows = diffs.shape
+    seeds = rng.integers(0, n_seeds, size=(resamples, n_seeds))
+    windows = rng.integers(0, n_windows, size=(resamples, n_windows))
+    means = diffs[seeds[:, :, None], windows[:, None, :]].mean(axis=(1, 2))
+    tail = (1 - level) / 2
+    lo, hi = np.quantile(means, [tail, 1 - tail])
+    return {"n_seeds": n_seeds, "windows": n_windows, "mean": float(diffs.mean()), "interval": (float(lo), float(hi)),
+            "resamples": resamples}
+
+
+def test_section(order: List[str], runs: Dict[str, List[Dict[str, Any]]], baselines: List[str],
+                 resamples: int = 2000) -> List[str]:
+    """The test-set table (runs scored on the study's ``test`` windows), or nothing when no run was."""
+    scored = {n: [r for r in runs.get(n, []) if r.get("test")] for n in order}
+    scored = {n: rs for n, rs in scored.items() if rs}
+    if not scored:
+        return []
+    first = next(iter(scored.values()))[0]["test"]
+    lines = ["## Test set", "",
+             f"Student loss per token on {first['windows']} windows × {first['seq_len']} tokens "
+             f"({first['placement']} over `{Path(first['file']).name}`), works that no choice of this study looked at; "
+             "each finished run is scored once. Δ = run − baseline, averaged over the seeds both have; 95 % interval "
+             f"from {resamples} bootstrap resamples of seeds (paired by seed) and windows (paired by window).", ""]
+    header = ["run", "seeds", "test loss"] + [f"Δ vs `{b}` | 95 % CI" for b in baselines]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * (3 + 2 * len(baselines)))
+    for n, results in scored.items():
+        cells = [f"`{n}`", str(len(results)), _fmt([r["test"]["student_loss"] for r in results], 3)]
+        for base in baselines:
+            base_by_seed = {r["seed"]: r["test"] for r in scored.get(base, [])}
+            pairs = [(r["test"]["window_losses"], base_by_seed[r["seed"]]["window_losses"]) for r in results
+                     if r["seed"] in base_by_seed and n != base]
+            if not pairs:
+                cells += ["–", "–"]
+                continue
+            boot = seed_window_bootstrap(pairs, resamples=resamples, seed=0)
+            cells += [f"{boot['mean']:+.3f} (n {boot['n_seeds']})",
+                      f"[{boot['interval'][0]:+.3f}, {boot['interval'][1]:+.3f}]"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 #: Table columns: (header, value of one run JSON, digits).
@@ -1238,6 +1342,7 @@ def aggregate(out_dir: Path) -> Path:
         elif unpaired:
             lines += [f"No seed paired with `{base}` yet: {', '.join(unpaired)}.", ""]
 
+    lines += test_section(order, runs, baselines)
     plots = make_plots(out_dir, order, runs, dense_names)
     titles = {"frontier.png": "Frontier: student held-out loss vs forward FLOPs ratio (dense: dashed line)",
               "curves.png": "Training LM loss (mean over seeds)",

@@ -38,7 +38,8 @@ SURPRISE_ROUTING = dict(
     teacher_selection="topk",
     gate_threshold=None,
 )
-RANDOM_ROUTING = dict(routed_layers="every_other", capacity=0.5, always_run_first_token=False, skipped_tokens_write_kv=False)
+RANDOM_ROUTING = dict(routed_layers="every_other", capacity=0.5, always_run_first_token=False, skipped_tokens_write_kv=False,
+                      skip_update="none", dropped_layers=[])
 ROUTING = {
     "dense": {},
     "layerdrop": dict(dropped_layers=[1, 2], skip_update="none"),

@@ -196,6 +196,26 @@ def test_random_routing_is_causal(tokens):
     torch.testing.assert_close(model(changed)[:, :12], full[:, :12], rtol=0, atol=0)
 
 
+def test_random_routing_takes_a_routed_recipes_shape_dropped_layers_and_skip_bias(tokens):
+    """Attribution baseline (d): random selection on the routed layers of a hybrid (a dropped layer beside it), its
+    skipped tokens given the learned constant update as a routed recipe's are."""
+    model = build_tiny("random", routed_layers=[1], dropped_layers=[2], skip_update="bias", skipped_tokens_write_kv=True)
+    routed, dropped = model.layers[1], model.layers[2]
+    assert isinstance(routed, RandomRoutedLayer) and isinstance(dropped, DroppedLayer) and dropped.skip_bias is not None
+    with torch.no_grad():
+        routed.skip_bias.update.copy_(torch.linspace(-1, 1, routed.skip_bias.update.numel()))
+    x = layer_inputs(model, tokens, 1)
+    ctx = RoutingContext(mode="student")
+    torch.manual_seed(0)
+    out = routed(x, routing=ctx)
+    ran = ctx.layers[1].selected_mask
+    assert 0 < ran.sum() < ran.numel()
+    expected = torch.where(ran[..., None], dense_block(routed, x), x + routed.skip_bias())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="skip_update: predicted needs a forecast.*variant 'random'"):
+        build_tiny("random", skip_update="predicted")
+
+
 # ---- context-preserving routed attention (skipped tokens write K/V) ----------------------------------
 
 

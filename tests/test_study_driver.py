@@ -6,6 +6,7 @@ skips finished runs (no retraining), and the aggregate README (tables, paired di
 Slow paths: the stock eleuther_eval step; a study killed mid-training and resumed from its checkpoint.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -106,8 +107,44 @@ def check_run_json(result, name, seed, variant):
     assert result["eleuther"] is None and result["wall_time_s"]["eleuther"] is None
 
 
+TEST_SET = {"file": "test.jsonl", "windows": 3, "seq_len": 32, "spread": True, "batch_size": 2}
+
+
+def write_test_file(workdir: Path) -> None:
+    """Text the study's held-out file does not start with: the corpus's last documents, in reverse order."""
+    lines = (workdir / "corpus.jsonl").read_text().splitlines()
+    (workdir / "test.jsonl").write_text("\n".join(reversed(lines[-40:])) + "\n")
+
+
+def direct_window_losses(saved_config: Path, checkpoint_dir: Path, test: dict, routed: bool):
+    """Each test window's mean next-token cross-entropy, computed here from the logits of the loaded checkpoint
+    (from the study's folder: the saved config's paths are relative to where it trained)."""
+    with contextlib.chdir(saved_config.parents[3]):
+        return _direct_window_losses(saved_config, checkpoint_dir, test, routed)
+
+
+def _direct_window_losses(saved_config: Path, checkpoint_dir: Path, test: dict, routed: bool):
+    import torch
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+    from torchtune import config
+
+    from torchtune_dtf.evaluation.routing_report import heldout_windows, load_trained
+    from torchtune_dtf.modules import RoutingContext
+
+    cfg = OmegaConf.load(saved_config)
+    windows = heldout_windows(config.instantiate(cfg.tokenizer), Path(test["file"]), test["seq_len"], test["windows"],
+                              spread=True)
+    model = load_trained(cfg, checkpoint_dir)
+    with torch.no_grad():
+        logits = model(windows, routing=RoutingContext(mode="student")) if routed else model(windows)
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="none")
+    return losses.view(windows.shape[0], -1).mean(-1).tolist()
+
+
 def test_micro_study_writes_runs_skips_finished_ones_and_flags_stale_ones(workdir):
-    study = write_study(workdir, seeds=[0, 1], runs=RUNS)
+    write_test_file(workdir)
+    study = write_study(workdir, seeds=[0, 1], runs=RUNS, test=TEST_SET)
     proc = driver(workdir, "run", str(study), "--only", "dense", "stt", "--seeds", "0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = workdir / "out"
@@ -115,6 +152,17 @@ def test_micro_study_writes_runs_skips_finished_ones_and_flags_stale_ones(workdi
     stt = json.loads((out / "runs" / "stt__seed0.json").read_text())
     check_run_json(dense, "dense", 0, "dense")
     check_run_json(stt, "stt", 0, "stt")
+    # The test windows: scored once at the end, each window's loss kept; they are the checkpoint's own losses.
+    for result, routed in ((dense, False), (stt, True)):
+        test = result["test"]
+        assert (test["windows"], test["seq_len"], test["placement"], test["tokens"]) == (3, 32, "spread", 3 * 31)
+        assert test["file"] == str(workdir / "test.jsonl") and result["wall_time_s"]["test_eval"] > 0
+        run_dir = workdir / "work" / "runs" / f"{result['name']}__seed{result['seed']}"
+        direct = direct_window_losses(run_dir / "torchtune_config.yaml", run_dir / "epoch_0",
+                                      {**TEST_SET, "file": workdir / "test.jsonl"}, routed)
+        assert test["window_losses"] == pytest.approx(direct, abs=1e-5)
+        assert test["student_loss"] == pytest.approx(sum(direct) / 3, abs=1e-5)
+        assert test["student_loss"] != pytest.approx(result["heldout"]["student_loss"], abs=1e-3)  # other text
 
     # dense: every layer runs; no teacher, no routed layer
     assert dense["compute"]["forward_flops_ratio"] == 1 and dense["compute"]["kv_bytes_ratio"] == 1
@@ -171,11 +219,13 @@ def test_micro_study_writes_runs_skips_finished_ones_and_flags_stale_ones(workdi
         result = json.loads((out / "runs" / f"{name}__seed0.json").read_text())
         result["seed"] = result["config"]["seed"] = 1
         result["heldout"]["student_loss"] += shift
+        result["test"]["window_losses"] = [v + shift for v in result["test"]["window_losses"]]
+        result["test"]["student_loss"] += shift
         (out / "runs" / f"{name}__seed1.json").write_text(json.dumps(result))
     proc = driver(workdir, "aggregate", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     readme = (out / "README.md").read_text()
-    paired = [line for line in readme.split("## Paired differences against `dense`")[1].splitlines()
+    paired = [line for line in readme.split("## Paired differences against `dense`")[1].split("## Test set")[0].splitlines()
               if line.startswith("| `stt`")]
     assert len(paired) == 1
     cells = [c.strip() for c in paired[0].strip("|").split("|")]
@@ -185,6 +235,13 @@ def test_micro_study_writes_runs_skips_finished_ones_and_flags_stale_ones(workdi
     half = 12.706 * 0.15  # t_{0.975,1} × SE, SE = sd/√2 = 0.3/√2/√2
     assert (low, high) == pytest.approx((diff0 + 0.15 - half, diff0 + 0.15 + half), abs=2e-3)
     assert "`mod`: no seed finished" in readme and "`stt`: seeds [1] missing" not in readme
+    # The test table pairs by seed and by window: Δ is the mean over both seeds, the interval brackets it.
+    test_rows = [line for line in readme.split("## Test set")[1].splitlines() if line.startswith("| `stt`")]
+    cells = [c.strip() for c in test_rows[0].strip("|").split("|")]
+    test_diff0 = stt["test"]["student_loss"] - dense["test"]["student_loss"]
+    assert cells[1] == "2" and cells[3] == f"{test_diff0 + 0.15:+.3f} (n 2)"
+    low, high = (float(x) for x in cells[4].strip("[]").split(","))
+    assert low < test_diff0 + 0.15 < high and high - low >= 0.3 - 1e-3  # the seeds alone differ by 0.3
 
     # The study is edited after `stt` finished: its results are stale — reported, never silently kept.
     write_study(workdir, seeds=[0, 1], runs=[RUNS[0], {**RUNS[1], "overrides": {"model.gate": "scaled"}}, RUNS[2]])
@@ -298,6 +355,42 @@ def test_two_workers_writing_study_json_at_once_both_succeed(tmp_path, monkeypat
     assert interleaved and json.loads(target.read_text()) == {"worker": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["study.json"]
     assert target.stat().st_mode & 0o777 == 0o644
+
+
+def test_seed_and_window_bootstrap_covers_text_sampling_and_seeds():
+    import random
+    import statistics
+
+    study = load_driver()
+    # One seed, the same difference in every window: no spread at all.
+    boot = study.seed_window_bootstrap([([2.0, 3.0, 4.0], [1.5, 2.5, 3.5])], resamples=500, seed=0)
+    assert boot["mean"] == pytest.approx(0.5) and boot["interval"] == pytest.approx((0.5, 0.5))
+    # Window noise only (one seed): about the normal interval of a mean of 400 windows with sd 1.
+    rng = random.Random(0)
+    noise = [rng.gauss(0, 1) for _ in range(400)]
+    boot = study.seed_window_bootstrap([(noise, [0.0] * 400)], resamples=2000, seed=0)
+    half = (boot["interval"][1] - boot["interval"][0]) / 2
+    assert half == pytest.approx(1.96 * statistics.stdev(noise) / 20, rel=0.15)
+    # Seed noise on top: two seeds 1.0 apart widen it to cover both.
+    two = study.seed_window_bootstrap([(noise, [0.0] * 400), ([v + 1.0 for v in noise], [0.0] * 400)],
+                                      resamples=2000, seed=0)
+    assert two["interval"][1] - two["interval"][0] > 0.9 and two["mean"] == pytest.approx(sum(noise) / 400 + 0.5)
+    with pytest.raises(ValueError, match="per-window losses of one length"):
+        study.seed_window_bootstrap([([1.0, 2.0], [1.0])], resamples=10, seed=0)
+
+
+def test_a_study_test_set_must_be_another_file_than_its_heldout(tmp_path):
+    study = load_driver()
+    spec = {"name": "s", "out_dir": "out", "work_dir": "work", "seeds": [0], "heldout": {"file": "h.jsonl"},
+            "test": {"file": "./h.jsonl", "windows": 4, "seq_len": 8, "spread": True}, "runs": []}
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(study.StudyError, match=r"is the held-out \(validation\) file"):
+        study.load_study(path, tmp_path)
+    spec["test"] = {"file": "t.jsonl", "windows": 4}
+    path.write_text(json.dumps(spec))
+    with pytest.raises(study.StudyError, match=r"missing \['seq_len', 'spread'\]"):
+        study.load_study(path, tmp_path)
 
 
 def test_paired_t_interval_and_parsed_logs_and_tables_equal_hand_values(tmp_path):

@@ -51,8 +51,10 @@ PLACEMENTS = {
 #: Extra keys of the surprise-routed variants (SDT, STT).
 SURPRISE_KEYS = ("prior_factor", "ma_window", "o_ce_init", "m_cu_init", "teacher_selection", "gate_threshold")
 
-#: Random routing (a baseline): the same budget and execution as the routed variants, no router.
-RANDOM_KEYS = ("routed_layers", "capacity", "always_run_first_token", "skipped_tokens_write_kv")
+#: Random routing (a baseline): the same budget and execution as the routed variants, no router; it may drop
+#: layers and give skipped tokens a learned constant update as they can (so it can take a routed recipe's shape).
+RANDOM_KEYS = ("routed_layers", "capacity", "always_run_first_token", "skipped_tokens_write_kv", "skip_update",
+               "dropped_layers")
 
 REQUIRED_KEYS = {
     "dense": (),

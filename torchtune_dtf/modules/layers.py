@@ -500,10 +500,13 @@ class RandomRoutedLayer(RoutedSelfAttentionLayer):
     and inference runs the causal rule u > 1 − γ, which executes γ of the tokens in expectation.
 
     Args:
+        skip_update (str): ``"none"`` or ``"bias"`` (see :class:`RoutedSelfAttentionLayer`).
         **kwargs: see :class:`RoutedSelfAttentionLayer` (without the student and gate arguments).
     """
 
-    def __init__(self, attn, mlp, *, capacity: float, **kwargs) -> None:
+    def __init__(self, attn, mlp, *, capacity: float, skip_update: str, **kwargs) -> None:
+        if skip_update == "predicted":
+            raise ValueError("random routing has no forecast of the block's update; skip_update must be 'none' or 'bias'")
         super().__init__(
             attn,
             mlp,
@@ -514,7 +517,7 @@ class RandomRoutedLayer(RoutedSelfAttentionLayer):
             student_window=None,
             gate="scaled",  # no gate exists; the update is applied at 1
             allow_noncausal_student_topk=False,
-            skip_update="none",
+            skip_update=skip_update,
             **kwargs,
         )
 

@@ -153,6 +153,7 @@ def _routed_decoder(
                 capacity=capacity_of[i],
                 always_run_first_token=spec.always_run_first_token,
                 skipped_tokens_write_kv=spec.skipped_tokens_write_kv,
+                skip_update=spec.skip_update,
             )
         elif i in capacity_of:
             routed = dict(
@@ -287,8 +288,9 @@ def routed_qwen2(
         ``layerdrop``: ``dropped_layers`` (Union[str, List[int]], a placement as ``routed_layers``): layers
             that run on no token (their weights stay); ``skip_update``: ``"none"`` or ``"bias"`` (every token
             receives each dropped layer's learned constant update).
-        ``random``: ``routed_layers``, ``capacity``, ``always_run_first_token``, ``skipped_tokens_write_kv``
-            as above; training runs a random per-sequence top-⌊γ·n⌋, inference a causal Bernoulli(γ).
+        ``random``: ``routed_layers``, ``capacity``, ``always_run_first_token``, ``skipped_tokens_write_kv``,
+            ``skip_update`` (``"none"`` or ``"bias"``), ``dropped_layers`` as above; training runs a random
+            per-sequence top-⌊γ·n⌋, inference a causal Bernoulli(γ).
 
     Returns:
         RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
