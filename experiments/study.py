@@ -470,18 +470,22 @@ def routing_stats(rows: Dict[int, Dict[str, float]]) -> Dict[str, Dict[str, Dict
 
 
 # ------------------------------------------------------------------------------------------ evaluation
-def heldout_evaluation(saved_config: Path, checkpoint_dir: Path, heldout: Dict[str, Any]) -> Dict[str, Any]:
-    """Student and teacher held-out loss and per-layer routing report of a trained run (in this process)."""
+def heldout_evaluation(saved_config: Path, checkpoint_dir: Path, heldout: Dict[str, Any],
+                       test: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Student and teacher held-out loss and per-layer routing report of a trained run (in this process); with
+    ``test``, also the deployed (student) loss of each test window (the test set is scored once, at the end, and
+    runs are compared on it window by window) and the seconds that took (``test_seconds``)."""
     import torch
     from omegaconf import OmegaConf
     from torchtune import config
 
     from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
     from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, layer_report, load_trained
+    from torchtune_dtf.evaluation.side_by_side import window_losses
 
     cfg = OmegaConf.load(saved_config)
-    windows = heldout_windows(config.instantiate(cfg.tokenizer), Path(heldout["file"]), int(heldout["seq_len"]),
-                              int(heldout["windows"]))
+    tokenizer = config.instantiate(cfg.tokenizer)
+    windows = heldout_windows(tokenizer, Path(heldout["file"]), int(heldout["seq_len"]), int(heldout["windows"]))
     model = load_trained(cfg, checkpoint_dir)
     batch_size = int(heldout.get("batch_size", 4))
     routed = any(isinstance(m, RoutedSelfAttentionLayer) for m in model.modules())
@@ -500,31 +504,20 @@ def heldout_evaluation(saved_config: Path, checkpoint_dir: Path, heldout: Dict[s
         out["teacher_loss"] = heldout_loss(model, windows, teacher, batch_size)
         out["teacher_beta"] = {"ce": beta_ce, "cu": beta_cu}
         layers = layer_report(model, windows, beta_ce, beta_cu, batch_size)
+    result = {"heldout": out, "layers": {str(k): v for k, v in layers.items()}}
+    if test:
+        start = time.perf_counter()
+        test_windows = heldout_windows(tokenizer, Path(test["file"]), int(test["seq_len"]), int(test["windows"]),
+                                       spread=bool(test["spread"]))
+        losses = window_losses(model, test_windows, (lambda: RoutingContext(mode="student")) if routed else None,
+                               int(test.get("batch_size", 4)))
+        result["test"] = {"file": test["file"], "windows": int(test["windows"]), "seq_len": int(test["seq_len"]),
+                          "placement": "spread" if test["spread"] else "first",
+                          "tokens": int(test_windows[:, 1:].numel()), "student_loss": float(losses.mean()),
+                          "window_losses": [round(float(v), 6) for v in losses]}
+        result["test_seconds"] = time.perf_counter() - start
     del model
-    return {"heldout": out, "layers": {str(k): v for k, v in layers.items()}}
-
-
-def test_evaluation(saved_config: Path, checkpoint_dir: Path, test: Dict[str, Any]) -> Dict[str, Any]:
-    """The deployed (student) loss of a trained run on the test windows, each window's loss kept so that runs can be
-    compared window by window (``side_by_side.paired_bootstrap``): the test set is scored once, at the end."""
-    from omegaconf import OmegaConf
-    from torchtune import config
-
-    from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
-    from torchtune_dtf.evaluation.routing_report import heldout_windows, load_trained
-    from torchtune_dtf.evaluation.side_by_side import window_losses
-
-    cfg = OmegaConf.load(saved_config)
-    windows = heldout_windows(config.instantiate(cfg.tokenizer), Path(test["file"]), int(test["seq_len"]),
-                              int(test["windows"]), spread=bool(test["spread"]))
-    model = load_trained(cfg, checkpoint_dir)
-    routed = any(isinstance(m, RoutedSelfAttentionLayer) for m in model.modules())
-    losses = window_losses(model, windows, (lambda: RoutingContext(mode="student")) if routed else None,
-                           int(test.get("batch_size", 4)))
-    del model
-    return {"file": test["file"], "windows": int(test["windows"]), "seq_len": int(test["seq_len"]),
-            "placement": "spread" if test["spread"] else "first", "tokens": int(windows[:, 1:].numel()),
-            "student_loss": float(losses.mean()), "window_losses": [round(float(v), 6) for v in losses]}
+    return result
 
 
 def _absolutize_paths(section: Dict[str, Any], root: Path) -> Dict[str, Any]:
@@ -694,16 +687,11 @@ def run_one(study: Dict[str, Any], run: Dict[str, Any], seed: int) -> Path:
     checkpoint_dir = output_dir / "epoch_0"
     saved = OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True)
 
-    print(f"== {rid}: held-out evaluation", flush=True)
+    print(f"== {rid}: held-out evaluation" + (" and test windows" if study.get("test") else ""), flush=True)
     start = time.perf_counter()
-    evaluation = heldout_evaluation(saved_config, checkpoint_dir, study["heldout"])
-    heldout_seconds = time.perf_counter() - start
-    test, test_seconds = None, None
-    if study.get("test"):
-        print(f"== {rid}: test windows", flush=True)
-        start = time.perf_counter()
-        test = test_evaluation(saved_config, checkpoint_dir, study["test"])
-        test_seconds = time.perf_counter() - start
+    evaluation = heldout_evaluation(saved_config, checkpoint_dir, study["heldout"], study.get("test"))
+    test, test_seconds = evaluation.get("test"), evaluation.get("test_seconds")
+    heldout_seconds = time.perf_counter() - start - (test_seconds or 0.0)
     eleuther, eleuther_seconds = None, 0.0
     if study.get("eleuther"):
         eleuther, eleuther_seconds = run_eleuther(study, rid, saved_config, checkpoint_dir)
