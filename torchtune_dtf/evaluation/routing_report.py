@@ -117,8 +117,7 @@ def load_trained(cfg: DictConfig, checkpoint_dir: Path) -> torch.nn.Module:
     with the value that computes what it trained (:func:`~torchtune_dtf.models.routing_config.with_keys_added_later`)."""
     checkpoint_dir = Path(checkpoint_dir)
     cfg = cfg.copy()
-    model_cfg = with_keys_added_later(merged_model_config(OmegaConf.to_container(cfg.model, resolve=True)))
-    OmegaConf.update(cfg, "model", model_cfg, merge=False)
+    OmegaConf.update(cfg, "model", trained_model_config(cfg), merge=False)
     ckpt_cfg = OmegaConf.merge(
         cfg.checkpointer, {"checkpoint_dir": str(checkpoint_dir), "checkpoint_files": hf_weight_files(checkpoint_dir)}
     )
@@ -129,6 +128,13 @@ def load_trained(cfg: DictConfig, checkpoint_dir: Path) -> torch.nn.Module:
         model = config.instantiate(cfg.model)
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def trained_model_config(cfg: DictConfig) -> dict:
+    """The ``model`` section that a run's saved checkpoint loads into (:func:`load_trained`'s), resolved: a LoRA
+    builder's non-LoRA twin, and keys added after the config was written at the value that computes what it
+    trained."""
+    return with_keys_added_later(merged_model_config(OmegaConf.to_container(cfg.model, resolve=True)))
 
 
 def heldout_loss(model, windows: torch.Tensor, routing: Optional[RoutingContext], batch_size: int) -> float:
