@@ -63,10 +63,16 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_outside_the_checkout(tmp_path
     from tests.test_recipe import write_tiny_hf_checkpoint
     from torchtune_dtf.offline.tokenizer_assets import write_qwen2_5_tokenizer_files
 
-    # 1. the wheel, built from this checkout with the installed build tools (no index)
+    # 1. the wheel, built with the installed build tools (no index) from a copy of what it is made of: a build in
+    #    the checkout would leave build/ behind, whose stale files a later build packs again
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "torchtune_dtf", source / "torchtune_dtf", ignore=shutil.ignore_patterns("__pycache__"))
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                    "-w", str(wheels), str(REPO)], check=True, timeout=600)
+                    "-w", str(wheels), str(source)], check=True, timeout=600)
     (wheel,) = wheels.glob("torchtune_dtf-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "torchtune_dtf/configs/tiny/stt_train.yaml" in names and "torchtune_dtf/recipes/routed_finetune.py" in names

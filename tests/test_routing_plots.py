@@ -31,6 +31,10 @@ def runs(train_assets, tmp_path_factory):  # noqa: F811
         patch.chdir(root)  # the configs' paths are relative to the working directory
         for variant in VARIANTS:
             run_recipe(load_config(f"{variant}_train", output_dir=f"./{variant}_run", save_every_n_steps=1000))
+        # The same STT run logged through torchtune's TensorBoardLogger instead of its DiskLogger.
+        run_recipe(load_config("stt_train", output_dir="./stt_tensorboard_run", save_every_n_steps=1000,
+                               metric_logger={"_component_": "torchtune.training.metric_logging.TensorBoardLogger",
+                                              "log_dir": "./stt_tensorboard_run/logs"}))
     return root
 
 
@@ -68,6 +72,34 @@ def test_every_plot_is_written(variant, at_runs, tmp_path, capsys):
     assert heat.executed.shape == (len(heat.layers), 32) and len(heat.labels) == 32
     if variant != "dense":
         assert sorted(result["heldout_layers"]) == [1, 3]
+
+
+#: Logged values that measure the machine, not the run (they differ between two runs of one config).
+TIMING = ("tokens_per_second", "seconds", "_time", "memory", "wall_s", "_s_per")
+
+
+def test_tensorboard_logs_hold_what_the_disk_logger_wrote(at_runs):
+    from torchtune_dtf.evaluation.metric_logs import parse_disk_logs, parse_tensorboard_logs
+
+    disk = parse_disk_logs(Path("stt_run/logs"))
+    board = parse_tensorboard_logs(Path("stt_tensorboard_run/logs"))
+    assert list(board) == list(disk) and len(disk) >= 4
+    for step, row in disk.items():
+        assert sorted(board[step]) == sorted(row), step
+        for key, value in row.items():
+            if not any(word in key for word in TIMING):
+                assert board[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+    assert any(key.startswith("routing/layer_1/") for row in board.values() for key in row)
+
+
+def test_plots_read_a_tensorboard_run(at_runs, tmp_path):
+    result = routing_plots.main(["--config", "stt_tensorboard_run/torchtune_config.yaml", "--out", str(tmp_path), *SMALL])
+    assert result["log_dir"] == Path("stt_tensorboard_run/logs")
+    for path in result["files"]:
+        assert_png(path)
+    with pytest.raises(ValueError, match="cannot be read back"):
+        routing_plots.main(["--config", "stt_run/torchtune_config.yaml", "--out", str(tmp_path), *SMALL,
+                            "metric_logger._component_=torchtune.training.metric_logging.StdoutLogger"])
 
 
 def test_default_output_folder_is_beside_the_run(at_runs):

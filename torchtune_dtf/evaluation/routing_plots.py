@@ -5,7 +5,8 @@
 
 ``--config`` is the run's config: best the ``torchtune_config.yaml`` that the recipe saved in its ``output_dir``,
 which carries the overrides the run was trained with. ``key=value`` / ``~key`` overrides follow as for ``tune run``.
-The metric logs are the DiskLogger files in ``metric_logger.log_dir``; the checkpoint is the newest ``epoch_N``
+The metric logs are the DiskLogger or TensorBoardLogger files in ``metric_logger.log_dir``
+(:func:`~torchtune_dtf.evaluation.metric_logs.read_metric_logs`); the checkpoint is the newest ``epoch_N``
 folder of ``output_dir`` unless ``--checkpoint`` names one (an ``epoch_N`` folder, or a stock HF checkpoint: the base
 model with its routers as training initialises them). Written to ``--out`` (default ``<output_dir>/plots``):
 
@@ -41,7 +42,7 @@ from torchtune_dtf.modules import (
     STTLayer,
 )
 from torchtune_dtf.training.checkpointer import checkpoint_folders
-from torchtune_dtf.evaluation.metric_logs import metric_series, parse_disk_logs
+from torchtune_dtf.evaluation.metric_logs import metric_series, read_metric_logs
 from torchtune_dtf.evaluation.routing_report import (
     command_line_overrides,
     heldout_windows,
@@ -105,18 +106,6 @@ def describe_routing(model: torch.nn.Module) -> Dict[str, Any]:
         name = "layer dropping" if any(isinstance(m, DroppedLayer) for m in model.modules()) else "dense"
     surprise = any(isinstance(m, (STTLayer, SDTDynamicLayer)) for m in routed.values())
     return {"layers": dict(sorted(routed.items())), "name": name, "surprise": surprise}
-
-
-def disk_log_dir(cfg: DictConfig) -> Path:
-    """Where the run's DiskLogger wrote its metrics (the only logger whose files this tool can read back)."""
-    logger = cfg.get("metric_logger")
-    if logger is None or not str(logger.get("_component_", "")).endswith("DiskLogger"):
-        raise ValueError(
-            "routing_plots reads the metrics from torchtune's DiskLogger files; this config logs with "
-            f"{None if logger is None else logger.get('_component_')}. If the run's DiskLogger files exist, point at them "
-            "with metric_logger._component_=torchtune.training.metric_logging.DiskLogger metric_logger.log_dir=DIR"
-        )
-    return Path(logger.log_dir)
 
 
 def latest_checkpoint(output_dir: Path) -> Path:
@@ -368,13 +357,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     cfg = load_config(args.config, overrides)
     output_dir = Path(cfg.output_dir)
-    log_dir = disk_log_dir(cfg)
+    rows = read_metric_logs(cfg.get("metric_logger"))  # none yet for a base checkpoint: its curves say so
+    log_dir = Path(str(cfg.metric_logger.log_dir))
     checkpoint = args.checkpoint or latest_checkpoint(output_dir)
     out = args.out or output_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
 
-    # A base checkpoint evaluated before any training has no logs yet: its curves say so, the rest is drawn.
-    rows = parse_disk_logs(log_dir) if log_dir.is_dir() else {}
     tokenizer = config.instantiate(cfg.tokenizer)
     model = load_trained(cfg, checkpoint)
     routing = describe_routing(model)
