@@ -327,3 +327,28 @@ def test_lm_eval_command_line_scores_the_exported_folder_offline(routed_export, 
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("|tiny_routed_mc")]
     assert rows and "|acc" in rows[0], proc.stdout[-2000:]
+
+
+def test_model_card_says_what_the_run_recorded(tmp_path):
+    from torchtune_dtf.export import model_card, training_provenance
+
+    run = tmp_path / "run"
+    (run / "epoch_0").mkdir(parents=True)
+    (run / "logs").mkdir()
+    (run / "epoch_0" / "checkpoint.json").write_text(json.dumps({"global_step": 4}))
+    OmegaConf.save(OmegaConf.create({
+        "checkpointer": {"checkpoint_dir": "base_model_hf"}, "dataset": {"data_files": "corpus/train.jsonl"},
+        # relative to where training ran, not to here: found beside the epoch folder
+        "metric_logger": {"_component_": "torchtune.training.metric_logging.DiskLogger", "log_dir": "elsewhere/logs"},
+    }), run / "torchtune_config.yaml")
+    (run / "logs" / "log_1.txt").write_text(
+        "Step 4 | summary/steps:4.0 summary/val_lm_loss_student:3.5 summary/val_lm_loss_teacher:3.25 loss:9.0\n")
+    provenance = training_provenance(run / "epoch_0")
+    assert provenance["base_model"] == "base_model_hf" and provenance["global_step"] == 4
+    assert provenance["summary"] == {"steps": 4.0, "val_lm_loss_student": 3.5, "val_lm_loss_teacher": 3.25}
+    card = model_card(config_path="eval.yaml", checkpoint_dir=run / "epoch_0", model_cfg={"_component_": "x.stt",
+                      "variant": "stt", "routed_layers": [1, 3], "capacity": 0.5, "student_routing_mode": "threshold",
+                      "student_threshold": 0.5}, routed=True, dropped=[], flop_ratio=0.8, notes=None,
+                      provenance=provenance)
+    assert "base model: `base_model_hf`" in card and "student (deployed) 3.500, teacher 3.250" in card
+    assert "huggingface-cli upload" in card and "trust_remote_code=True" in card

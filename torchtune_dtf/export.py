@@ -180,8 +180,40 @@ def write_hf_tokenizer(cfg: DictConfig, out: Path) -> List[str]:
     return [Path(name).name for name in hf.save_pretrained(out)]
 
 
+def training_provenance(checkpoint_dir: Path) -> Dict[str, Any]:
+    """What the recipe recorded about the run that saved ``checkpoint_dir`` (an ``epoch_N`` folder): the base model,
+    the training config, the step, and the end-of-training summary it logged (validation losses of the student and
+    the teacher on the run's validation data). Empty for a folder the recipe did not write."""
+    from torchtune_dtf.evaluation.metric_logs import read_metric_logs
+
+    provenance: Dict[str, Any] = {}
+    manifest = checkpoint_dir / "checkpoint.json"
+    if manifest.is_file():
+        provenance["global_step"] = json.loads(manifest.read_text()).get("global_step")
+    run_config = checkpoint_dir.parent / "torchtune_config.yaml"
+    if not run_config.is_file():
+        return provenance
+    trained = OmegaConf.load(run_config)
+    provenance["training_config"] = str(run_config)
+    provenance["base_model"] = OmegaConf.select(trained, "checkpointer.checkpoint_dir")
+    provenance["data"] = OmegaConf.select(trained, "dataset.data_files") or OmegaConf.select(trained, "dataset.source")
+    logger = OmegaConf.to_container(trained.metric_logger, resolve=True) if "metric_logger" in trained else {}
+    if logger.get("log_dir") and not Path(logger["log_dir"]).is_dir():
+        # a path relative to where training ran: the default ${output_dir}/logs sits beside the epoch folders
+        logger["log_dir"] = str(checkpoint_dir.parent / Path(logger["log_dir"]).name)
+    try:
+        rows = read_metric_logs(logger)
+    except (ValueError, KeyError, ImportError, OSError):
+        rows = {}
+    summary = {k.removeprefix("summary/"): v for row in rows.values() for k, v in row.items() if k.startswith("summary/")}
+    provenance["summary"] = {k: summary[k] for k in ("steps", "tokens", "train_lm_loss", "val_lm_loss_student",
+                                                     "val_lm_loss_teacher") if k in summary}
+    return provenance
+
+
 def model_card(*, config_path: str, checkpoint_dir: Path, model_cfg: Mapping[str, Any], routed: bool,
-               dropped: List[int], flop_ratio: Optional[float], notes: Optional[str]) -> str:
+               dropped: List[int], flop_ratio: Optional[float], notes: Optional[str],
+               provenance: Optional[Mapping[str, Any]] = None) -> str:
     """The exported folder's ``README.md``: what the model is, how it was made and how to load it."""
     variant = model_cfg.get("variant", str(model_cfg["_component_"]).rsplit(".", 1)[-1])
     lines = [
@@ -203,6 +235,17 @@ def model_card(*, config_path: str, checkpoint_dir: Path, model_cfg: Mapping[str
     if flop_ratio is not None:
         lines.append(f"- forward FLOPs relative to the dense model (closed form, "
                      f"{model_cfg.get('max_seq_len')} tokens): {flop_ratio:.3f}")
+    provenance = provenance or {}
+    if provenance.get("base_model"):
+        lines.append(f"- base model: `{provenance['base_model']}`")
+    if provenance.get("training_config"):
+        lines.append(f"- trained by `torchtune_dtf/recipes/routed_finetune.py` with `{provenance['training_config']}` "
+                     f"(step {provenance.get('global_step')}, data `{provenance.get('data')}`)")
+    summary = provenance.get("summary") or {}
+    if "val_lm_loss_student" in summary:
+        lines.append(f"- validation loss at the end of training (the run's own validation data, nats/token): "
+                     f"student (deployed) {summary['val_lm_loss_student']:.3f}"
+                     + (f", teacher {summary['val_lm_loss_teacher']:.3f}" if "val_lm_loss_teacher" in summary else ""))
     lines += ["", "## Load it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
     if routed:
         lines += [
@@ -223,8 +266,10 @@ def model_card(*, config_path: str, checkpoint_dir: Path, model_cfg: Mapping[str
     if routed:
         lines += ["Generation supports greedy decoding and sampling, batched with left padding; beam search and "
                   "assisted decoding are refused (the selective KV cache cannot be reordered).", ""]
-    lines += ["## Measured", "", notes.strip() if notes else "Nothing measured was given to the export "
-              "(`--notes FILE` adds a markdown section here).", ""]
+    lines += ["## Measured", "", notes.strip() if notes else "Nothing measured against the dense model was given "
+              "to the export (`--notes FILE` adds it here, e.g. the side-by-side report of "
+              "`python -m torchtune_dtf.evaluation.routing_report`).", ""]
+    lines += ["## Upload", "", "```", "huggingface-cli upload YOUR_NAME/YOUR_MODEL THIS_FOLDER .", "```", ""]
     return "\n".join(lines)
 
 
@@ -294,7 +339,8 @@ def export(cfg: DictConfig, checkpoint_dir: Path, out: Path, *, config_path: str
         copied = sorted(set(copied) | set(write_hf_tokenizer(cfg, out)))
     (out / "README.md").write_text(model_card(config_path=config_path, checkpoint_dir=checkpoint_dir,
                                               model_cfg=model_cfg, routed=routed, dropped=dropped,
-                                              flop_ratio=flop_ratio, notes=notes))
+                                              flop_ratio=flop_ratio, notes=notes,
+                                              provenance=training_provenance(checkpoint_dir)))
     summary = {"out": str(out), "kind": "routed (remote code)" if routed else "stock Qwen2ForCausalLM",
                "dropped_layers": dropped, "dtype": str(dtype), "tokenizer_files": copied}
     if check:
