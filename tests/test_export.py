@@ -192,25 +192,30 @@ def test_export_refuses_a_batch_dependent_student(assets, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_layer_dropping_exports_as_stock_qwen2(assets, tmp_path):
+@pytest.mark.parametrize("dropped", [[1, 2], []], ids=["layer_dropping", "dense"])
+def test_models_without_routing_export_as_stock_qwen2(assets, tmp_path, dropped):
     cfg = generate_config(assets)
-    cfg.model = {"_component_": "torchtune_dtf.models.qwen2_5.routed_qwen2", "variant": "layerdrop",
-                 **QWEN2_5_SHAPES["tiny"], "vocab_size": VOCAB, "max_seq_len": 256, "dropped_layers": [1, 2],
-                 "skip_update": "none"}
-    summary = export(cfg, Path(cfg.checkpointer.checkpoint_dir), tmp_path / "out", config_path="layerdrop")
-    assert summary["kind"] == "stock Qwen2ForCausalLM" and summary["dropped_layers"] == [1, 2]
+    if dropped:
+        cfg.model = {"_component_": "torchtune_dtf.models.qwen2_5.routed_qwen2", "variant": "layerdrop",
+                     **QWEN2_5_SHAPES["tiny"], "vocab_size": VOCAB, "max_seq_len": 256, "dropped_layers": dropped,
+                     "skip_update": "none"}
+    else:
+        cfg.model = {"_component_": "torchtune_dtf.models.qwen2_5.dense_qwen2_5_tiny", "vocab_size": VOCAB,
+                     "max_seq_len": 256}
+    summary = export(cfg, Path(cfg.checkpointer.checkpoint_dir), tmp_path / "out", config_path="stock")
+    assert summary["kind"] == "stock Qwen2ForCausalLM" and summary["dropped_layers"] == dropped
     hf_config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert hf_config["num_hidden_layers"] == 2 and "auto_map" not in hf_config
+    assert hf_config["num_hidden_layers"] == 4 - len(dropped) and "auto_map" not in hf_config
     assert not list((tmp_path / "out").glob("*.py"))
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    assert type(stock).__name__ == "Qwen2ForCausalLM" and len(stock.model.layers) == 2
+    assert type(stock).__name__ == "Qwen2ForCausalLM" and len(stock.model.layers) == 4 - len(dropped)
     reference = load_trained(cfg, Path(cfg.checkpointer.checkpoint_dir))
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(stock(tokens).logits, reference(tokens), atol=1e-5, rtol=0)
-        # dropping the two middle layers is not the dense model: the export really removed them
-        dense = AutoModelForCausalLM.from_pretrained(cfg.checkpointer.checkpoint_dir, dtype=torch.float32).eval()
-        assert (dense(tokens).logits - reference(tokens)).abs().max() > 1e-3
+        if dropped:  # dropping the two middle layers is not the dense model: the export really removed them
+            dense = AutoModelForCausalLM.from_pretrained(cfg.checkpointer.checkpoint_dir, dtype=torch.float32).eval()
+            assert (dense(tokens).logits - reference(tokens)).abs().max() > 1e-3
 
 
 def test_export_refuses_a_used_folder_and_a_checkpoint_of_another_shape(assets, tmp_path, capsys):

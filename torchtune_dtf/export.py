@@ -95,7 +95,7 @@ def has_routing(model: torch.nn.Module) -> bool:
         isinstance(m, RoutedSelfAttentionLayer) for m in model.modules())
 
 
-def stock_state_dict(model: torch.nn.Module, model_cfg: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
+def stock_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """HF ``Qwen2ForCausalLM`` weights of a model without routing: the dropped layers' weights removed and the
     kept layers renumbered 0…n−1 (torchtune's own Qwen2 conversion)."""
     from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
@@ -110,9 +110,12 @@ def stock_state_dict(model: torch.nn.Module, model_cfg: Mapping[str, Any]) -> Di
             state[key] = value
         elif int(match.group(1)) in renumber:
             state[f"layers.{renumber[int(match.group(1))]}.{match.group(2)}"] = value
+    from torchtune.modules import TiedLinear
+
+    shape = architecture_fields(model)
     return qwen2_tune_to_hf(
-        state, num_heads=int(model_cfg["num_heads"]), num_kv_heads=int(model_cfg["num_kv_heads"]),
-        dim=int(model_cfg["embed_dim"]), tie_word_embeddings=bool(model_cfg["tie_word_embeddings"]),
+        state, num_heads=shape["num_attention_heads"], num_kv_heads=shape["num_key_value_heads"],
+        dim=shape["hidden_size"], tie_word_embeddings=isinstance(model.output, TiedLinear),
     )
 
 
@@ -330,7 +333,7 @@ def export(cfg: DictConfig, checkpoint_dir: Path, out: Path, *, config_path: str
         from safetensors.torch import save_file
 
         kept = [i for i in range(len(model.layers)) if i not in set(dropped)]
-        hf_state = {k: v.to(dtype).contiguous() for k, v in stock_state_dict(model, model_cfg).items()}
+        hf_state = {k: v.to(dtype).contiguous() for k, v in stock_state_dict(model).items()}
         save_file(hf_state, str(out / "model.safetensors"), metadata={"format": "pt"})
         stock = _stock_config(checkpoint_dir, len(model.layers), kept, dtype)
         (out / "config.json").write_text(json.dumps(stock, indent=2) + "\n")
