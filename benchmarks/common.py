@@ -208,7 +208,7 @@ def set_threads(n: int) -> None:
 
 @contextlib.contextmanager
 def subnormals_flushed(enabled: bool) -> Iterator[bool]:
-    """Flush subnormal floats to zero inside the block when ``enabled`` and the CPU supports it (see README:
+    """Flush subnormal floats to zero inside the block when ``enabled`` and the CPU supports it (see benchmarks/README.md:
     random-weight softmax gradients); yields whether flushing is on. The process default (off) comes back
     afterwards, since the benchmarks' entry points also run inside test sessions."""
     flushed = enabled and torch.set_flush_denormal(True)

@@ -126,7 +126,7 @@ def main(argv=None) -> Dict:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--keep-denormals", action="store_true", help="compute with subnormal floats (see README)")
+    parser.add_argument("--keep-denormals", action="store_true", help="compute with subnormal floats (see benchmarks/README.md)")
     args = parser.parse_args(argv)
     with subnormals_flushed(not args.keep_denormals) as flush:
         torch.manual_seed(0)

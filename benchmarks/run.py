@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 # Process environment, fixed before torch (and glibc's malloc) start:
-# * threads: the box is 2 shared cores (see README);
+# * threads: the box is 2 shared cores (see benchmarks/README.md);
 # * malloc: buffers of a few hundred MB (the [V, d] tied-embedding gradients, the [b, T, V] logits) are
 #   otherwise mmap'd fresh and page-faulted on every use, which on this VM costs seconds per training step
 #   and varies 2× between identical steps. Keeping freed memory in the heap makes a step's time the work's.
@@ -979,9 +979,9 @@ def main(argv=None) -> Dict:
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (default 1: on the shared 2-core box a second OpenMP thread stalls on "
-                             "every parallel region whenever another process holds a core; see README)")
+                             "every parallel region whenever another process holds a core; see benchmarks/README.md)")
     parser.add_argument("--keep-denormals", action="store_true",
-                        help="compute with subnormal floats (default: flush them to zero, see README: with random weights "
+                        help="compute with subnormal floats (default: flush them to zero, see benchmarks/README.md: with random weights "
                              "the softmax over 151,936 classes makes subnormal probabilities and gradients, which the CPU "
                              "processes up to 3× slower, by an amount that depends on each model's logits)")
     parser.add_argument("--no-profile", action="store_true", help="skip torch.profiler summaries")
