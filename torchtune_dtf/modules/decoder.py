@@ -18,7 +18,7 @@ import torch
 from torchtune.modules import TransformerDecoder
 
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
-from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
+from torchtune_dtf.modules.routing_context import RoutingContext
 
 
 class RoutedTransformerDecoder(TransformerDecoder):
@@ -120,11 +120,6 @@ class RoutedTransformerDecoder(TransformerDecoder):
             return list(self.output(last_hidden_state).chunk(num_chunks, dim=1))
         by_chunk = last_hidden_state.view(batch, num_chunks, seq_len // num_chunks, dim).transpose(0, 1)
         return list(self.output(by_chunk).unbind(0))
-
-    @staticmethod
-    def layer_records(routing: RoutingContext) -> Dict[int, LayerRouting]:
-        """Routed layers' records of one forward, in layer order."""
-        return dict(sorted(routing.layers.items()))
 
     # -- what the student executed, for callers that cannot pass a RoutingContext -----------------
     def routed_layers(self) -> List[RoutedSelfAttentionLayer]:

@@ -94,6 +94,5 @@ class SkipBias(nn.Module):
         return self.update
 
 
-# The two names the papers use; the architecture is the same, only the input differs.
+# SDT's name for it (the papers' PriorFFN); STT's transition network is the same module with another input.
 PriorFFN = ResidualPredictor
-TransitionNetwork = ResidualPredictor
