@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torchtune import config as tt_config
+from torchtune.generation import get_position_ids_from_padding_mask
 from torchtune.modules.common_utils import delete_kv_caches
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
@@ -130,23 +131,13 @@ def _cache_batch_size(model: torch.nn.Module) -> int:
     return -1
 
 
-def torchtune_positions(padding: torch.Tensor) -> torch.Tensor:
-    """Positions as torchtune's ``generate`` gives them: counted from each row's first real token, 0 on left pads.
-
-    Args:
-        padding (torch.Tensor): ``[b, s]`` bool, True on real tokens.
-
-    Returns:
-        torch.Tensor: ``[b, s]`` int positions.
-    """
-    return ((padding.cumsum(-1) - 1) * padding).to(torch.int)
-
-
 def torchtune_mask(padding: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
     """torchtune ``generate``'s boolean attention mask for the query positions ``rows``.
 
     Token t of row b sees key s iff s ≤ t and (s is a real token or s = t): pads are hidden from every other token
     but see themselves, so no row of the softmax is empty (``get_causal_mask_from_padding_mask``).
+    torchtune's ``get_causal_mask_from_padding_mask`` builds every row of a prompt at once; a decode step needs only
+    its own row, so this builds the rows asked for.
 
     Args:
         padding (torch.Tensor): ``[b, s_total]`` bool, True on real tokens, for every position so far.
@@ -200,12 +191,11 @@ class RoutedQwen2ForCausalLM(PreTrainedModel, GenerationMixin):
         """Recompute the buffers no checkpoint holds (the RoPE tables): ``from_pretrained`` builds the model on
         the meta device and loads only the saved tensors."""
         for module in self.model.modules():
-            if hasattr(module, "rope_init") and any(b.is_meta for b in module.buffers(recurse=False)):
-                device = next(p.device for p in self.parameters() if not p.is_meta)
-                module.to_empty(device=device, recurse=False)
-                module.rope_init()
-            elif hasattr(module, "rope_init"):
-                module.rope_init()
+            if not hasattr(module, "rope_init"):
+                continue
+            if any(b.is_meta for b in module.buffers(recurse=False)):
+                module.to_empty(device=next(p.device for p in self.parameters() if not p.is_meta), recurse=False)
+            module.rope_init()
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.tok_embeddings
@@ -294,7 +284,7 @@ class RoutedQwen2ForCausalLM(PreTrainedModel, GenerationMixin):
             return self.model(tokens)  # the model's own causal path, exactly what torchtune's evals run
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self.model(tokens, mask=torchtune_mask(padding, positions, tokens.shape[1]),
-                          input_pos=torchtune_positions(padding))
+                          input_pos=get_position_ids_from_padding_mask(padding))
 
     def _forward_cached(self, tokens: torch.Tensor, padding: torch.Tensor, cache: SelectiveCache) -> torch.Tensor:
         batch, new = tokens.shape
@@ -308,7 +298,7 @@ class RoutedQwen2ForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"{past + new} positions do not fit the cache's max_cache_len {cache.cache_length}")
         rows = torch.arange(past, past + new, device=tokens.device)
         mask = torchtune_mask(padding, rows, cache.cache_length)
-        positions = torchtune_positions(padding)[:, past:]
+        positions = get_position_ids_from_padding_mask(padding)[:, past:]
         # The shapes torchtune's generate passes: [b] per decode step, [s] for an unbatched prompt, else [b, s].
         input_pos = positions[:, 0] if new == 1 and past > 0 else (positions[0] if batch == 1 else positions)
         logits = self.model(tokens, mask=mask, input_pos=input_pos)
