@@ -41,11 +41,11 @@ from torchtune_dtf.modules.surprise import (
     static_surprise,
 )
 
-# Child-module names that hold routing parameters (everything else is the pretrained backbone).
-#: Every routing module a layer may own, by attribute name, and the optimizer group that trains it: the
-#: predictors of the block's update, the predictive router's offsets (o_ce, m_cu), and the routers. The skip
-#: bias (one d-vector per layer, ``skip_update: bias``) trains with the routers: like them it is a small
-#: per-layer module that starts from nothing and must move within a short fine-tune.
+#: Every routing module a layer may own, by attribute name (every other parameter is the pretrained backbone),
+#: and the optimizer group that trains it: the predictors of the block's update, the predictive router's
+#: offsets (o_ce, m_cu), and the routers. The skip bias (one d-vector per layer, ``skip_update: bias``) trains
+#: with the routers: like them it is a small per-layer module that starts from nothing and must move within a
+#: short fine-tune.
 ROUTING_MODULE_GROUPS = {  # group order = the optimizer's param-group order, which checkpoints record
     "transition": "predictors",
     "prior_ffn": "predictors",
@@ -345,8 +345,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             recent, recent_valid = cache.recent_scores, cache.recent_scores_valid
         selected, recent, recent_valid = window_topk_mask(logits, starts, self.capacity, recent, recent_valid)
         if cache is not None:
-            cache.recent_scores.copy_(recent)
-            cache.recent_scores_valid.copy_(recent_valid)
+            cache.carry_scores(recent, recent_valid)
         return selected
 
     def teacher_route(
@@ -451,7 +450,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             # Token t's forecast reads token t−1's output without its own forecast: one parallel pass, causal.
             previous = previous_token_states(out, starts, None if cache is None else cache.last_output)
             if cache is not None:
-                cache.last_output.copy_(out[:, -1].detach())
+                cache.carry_output(out)
             skipped = skipped_selection(selection)
             if skipped is None:
                 out = out + self.skip_forecast(previous) * (~selection.mask)[..., None].to(out.dtype)
@@ -460,8 +459,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         elif self.skip_update == "bias":
             out = out + self.skip_bias().to(out.dtype) * (~selection.mask)[..., None].to(out.dtype)
         if cache is not None:
-            cache.last_input.copy_(x[:, -1].detach())
-            cache.seen += seq_len
+            cache.advance(x)
         if routing.mode == "student":  # the deployed router only (see routing_counts)
             self._count_student(selection.mask)
         record.selected_mask = selection.mask

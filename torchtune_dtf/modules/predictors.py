@@ -12,11 +12,11 @@ with intermediate width d_i = max(2, ceil(f·d)) rounded up to an even number, w
 
 import math
 
-from typing import List
-
 import torch
 from torch import nn
 from torchtune.modules import RMSNorm
+
+from torchtune_dtf.modules.routing_module import RoutingModule
 
 
 def predictor_width(prior_factor: float, embed_dim: int) -> int:
@@ -29,7 +29,7 @@ def predictor_width(prior_factor: float, embed_dim: int) -> int:
     return width + (width % 2)
 
 
-class ResidualPredictor(nn.Module):
+class ResidualPredictor(RoutingModule):
     """RMSNorm → SwiGLU MLP (no biases) predicting a residual update.
 
     Args:
@@ -50,10 +50,6 @@ class ResidualPredictor(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=False)
         self.reset_parameters()
 
-    def adapter_params(self) -> List[str]:
-        """Every routing parameter is trainable in LoRA models (torchtune's ``get_adapter_params`` hook)."""
-        return [name for name, _ in self.named_parameters()]
-
     def reset_parameters(self) -> None:
         nn.init.ones_(self.norm.scale)
         for proj in (self.gate_proj, self.up_proj, self.down_proj):
@@ -64,16 +60,15 @@ class ResidualPredictor(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-class SkipBias(nn.Module):
+class SkipBias(RoutingModule):
     """A learned constant update ``b ∈ R^d`` that every token skipping a routed layer receives
     (``skip_update: bias``): the cheapest forecast of the block's update, the same for every token.
 
     Skipping a block leaves the residual stream without the layer's average contribution, which no later
-    layer can add back (Qwen's MLP and output projections have no bias). On the pretrained SmolLM2-135M with
-    no training, giving skipped tokens the mean update of the skipped tokens measured on training text
-    lowers held-out loss by 0.08–0.18 nats in the frontier study's ≈ 0.90 and ≈ 0.81 routed shapes
-    (``experiments/frontier/skip_bias_probe.py``). Here it starts at zero and is learned. It costs an add per
-    skipped token (not counted as FLOPs, like the residual adds) and d parameters per layer.
+    layer can add back (Qwen's MLP and output projections have no bias). The ideal constant, before any
+    training, is the mean update of the skipped tokens (``experiments/frontier/skip_bias_probe.py`` measures
+    what it is worth); here it starts at zero and is learned. It costs an add per skipped token (not counted
+    as FLOPs, like the residual adds) and d parameters per layer.
 
     Shapes: ``forward()`` → ``[d]`` (broadcasts over ``[b, s, d]``).
     """
@@ -82,10 +77,6 @@ class SkipBias(nn.Module):
         super().__init__()
         self.update = nn.Parameter(torch.empty(embed_dim))
         self.reset_parameters()
-
-    def adapter_params(self) -> List[str]:
-        """Trainable in LoRA models, like every routing parameter (torchtune's ``get_adapter_params`` hook)."""
-        return ["update"]
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.update)  # zero: the model starts as with skip_update none

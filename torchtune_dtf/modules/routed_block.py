@@ -194,12 +194,9 @@ def routed_block_forward(
     chunks = query_chunks(query_index.shape[1])
     if cache is not None:
         row_ids = torch.arange(x.shape[0], device=x.device) if rows is None else rows
-        query_slots = cache.seen + query_index
-        # Entries are stored in time order, so a query's last key is its own entry: the row's fill before this
-        # chunk plus its rank among the row's real new tokens.
-        rank = torch.arange(query_index.shape[1], device=x.device) if valid is None else valid.cumsum(dim=1) - 1
-        last_entry = cache.fill[row_ids, None] + rank
-        cache.append(row_ids, key, value, query_slots, valid)
+        query_slots = cache.layout_slots(query_index)
+        # A query's last key is its own entry (the cache stores entries in time order).
+        last_entry = cache.append(row_ids, key, value, query_slots, valid)
         key, value, key_slots, key_valid = cache.entries(row_ids)
         attn_mask = _attention_mask(mask, query_index, query_slots, key_slots, key_valid)
         key_bounds = chunk_key_bounds(chunks, last_entry, valid, key.shape[2], static_bounds=None)
@@ -238,7 +235,7 @@ def _forward_with_all_keys(
     key_valid = None
     if cache is not None:
         all_rows = torch.arange(batch, device=x.device)
-        slots = cache.seen + slots
+        slots = cache.layout_slots(slots)
         cache.append(all_rows, key, value, slots)
     if selection.num_selected == 0:
         return x
@@ -256,7 +253,7 @@ def _forward_with_all_keys(
     query_index = selection.positions
     xs = gather_tokens(x_rows, query_index)
     q = _project_queries(layer, gather_tokens(h_rows, query_index), gather_tokens(positions, query_index))
-    query_slots = query_index if cache is None else cache.seen + query_index
+    query_slots = query_index if cache is None else cache.layout_slots(query_index)
     attn_mask = _attention_mask(mask, query_index, query_slots, slots, key_valid)
     # Every token of every row is a key, stored in slot order, so a query's last key is at its own slot.
     num_queries, num_keys = query_index.shape[1], key.shape[2]

@@ -7,12 +7,14 @@
   Its inputs are detached by the caller so the student never pulls on the backbone (docs/design.md §3.4, §3.8).
 """
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import RMSNorm
+
+from torchtune_dtf.modules.routing_module import RoutingModule
 
 
 def previous_token_states(
@@ -35,7 +37,7 @@ def previous_token_states(
     return previous * (~starts)[..., None].to(x.dtype)
 
 
-class MoDRouter(nn.Module):
+class MoDRouter(RoutingModule):
     """Linear router r_t = w·x_t. ``[b, s, d]`` → ``[b, s]`` fp32 logits.
 
     The product is taken in fp32: bf16 logits keep 8 significant bits, so a top-k over them would be
@@ -47,10 +49,6 @@ class MoDRouter(nn.Module):
         self.proj = nn.Linear(embed_dim, 1, bias=False)
         self.reset_parameters()
 
-    def adapter_params(self) -> List[str]:
-        """Every routing parameter is trainable in LoRA models (torchtune's ``get_adapter_params`` hook)."""
-        return [name for name, _ in self.named_parameters()]
-
     def reset_parameters(self) -> None:
         nn.init.normal_(self.proj.weight, mean=0.0, std=self.init_std)
 
@@ -58,7 +56,7 @@ class MoDRouter(nn.Module):
         return F.linear(x.float(), self.proj.weight.float()).squeeze(-1)
 
 
-class CausalRouter(nn.Module):
+class CausalRouter(RoutingModule):
     """Student router: RMSNorm input(s) → Linear → SiLU → Linear → one logit per token.
 
     Args:
@@ -81,10 +79,6 @@ class CausalRouter(nn.Module):
         self.hidden = nn.Linear(in_dim, hidden_dim)
         self.out = nn.Linear(hidden_dim, 1)
         self.reset_parameters()
-
-    def adapter_params(self) -> List[str]:
-        """Every routing parameter is trainable in LoRA models (torchtune's ``get_adapter_params`` hook)."""
-        return [name for name, _ in self.named_parameters()]
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.norm.scale)

@@ -7,8 +7,12 @@ global attention mask from ``torchtune.generation`` uses along its last dimensio
 attention are built by looking the stored slots up in that global mask (causality and left padding),
 or by comparing slots when no mask is given.
 
-The cache also carries the last layer input of each row, which the two-token causal router needs for
-the first token of the next chunk.
+The cache also carries, from one chunk to the next, what a layer needs about the tokens before the chunk:
+each row's last layer input (the two-token causal router's x_{t−1}), its last routed output (the TPN's input
+with ``skip_update: predicted``) and its last router scores (a window top-k student). The cache alone
+advances all of its state: :meth:`SelectiveKVCache.append` stores entries, and the layer hands over what to
+carry with :meth:`~SelectiveKVCache.carry_scores`, :meth:`~SelectiveKVCache.carry_output` and, at the end of
+each chunk, :meth:`~SelectiveKVCache.advance`.
 
 Two ways to hold the entries:
 
@@ -49,7 +53,8 @@ class SelectiveKVCache(nn.Module):
             writes of padding entries of a ragged selection.
         entry_slots: ``[b, n + 1]`` layout slot of each stored entry.
         fill: ``[b]`` number of stored entries per row.
-        seen: ``[]`` number of layout slots consumed so far (tokens seen per row, run or skipped).
+        seen: ``[]`` number of layout slots consumed so far (tokens seen per row, run or skipped): the slot
+            of the current chunk's first token.
         last_input: ``[b, d]`` the previous token's layer input, per row.
         last_output: ``[b, d]`` the previous token's routed output before any skip-path forecast, per row
             (the TPN's input when ``skip_update: predicted``).
@@ -144,6 +149,11 @@ class SelectiveKVCache(nn.Module):
         """Layout slots consumed so far (mirrors ``KVCache.size``)."""
         return int(self.seen)
 
+    def layout_slots(self, index: torch.Tensor) -> torch.Tensor:
+        """Layout slots of the current chunk's tokens at ``index`` (indices into the chunk, any shape): the
+        chunk starts at slot ``seen``. Same shape as ``index``; stays on the device (no host read)."""
+        return self.seen + index
+
     def append(
         self,
         rows: torch.Tensor,
@@ -151,7 +161,7 @@ class SelectiveKVCache(nn.Module):
         v: torch.Tensor,
         slots: torch.Tensor,
         valid: Optional[torch.Tensor] = None,
-    ) -> None:
+    ) -> torch.Tensor:
         """Store the K/V of the tokens that ran the block.
 
         Args:
@@ -161,6 +171,11 @@ class SelectiveKVCache(nn.Module):
             slots (torch.Tensor): ``[r, k]`` layout slots of those tokens.
             valid (Optional[torch.Tensor]): ``[r, k]`` bool; False entries are padding and are not stored.
                 None: every entry is stored.
+
+        Returns:
+            torch.Tensor: ``[r, k]`` the entry index each token was stored at along the entry axis of
+            :meth:`entries` (the scratch index ``allocated_entries`` for padding). Entries are stored in time
+            order, so this is also the last key a query among these tokens may attend to.
         """
         num_new = k.shape[2]
         if not (self.static or torch.compiler.is_compiling()):
@@ -182,6 +197,28 @@ class SelectiveKVCache(nn.Module):
         self.v_cache.permute(0, 2, 1, 3)[row_index, write_at] = v.permute(0, 2, 1, 3).to(self.v_cache.dtype)
         self.entry_slots[row_index, write_at] = slots
         self.fill[rows] += counts
+        return write_at
+
+    # -- state carried to the next chunk: the layer hands it over, the cache writes it --------------
+    def carry_scores(self, recent: torch.Tensor, recent_valid: torch.Tensor) -> None:
+        """Keep the router scores a window top-k student ranks the next chunk's tokens among:
+        ``recent [b, score_history]`` fp32, oldest first, and ``recent_valid [b, score_history]`` bool, which
+        of them belong to the row's current sequence (:func:`~torchtune_dtf.modules.selection.window_topk_mask`
+        returns both)."""
+        self.recent_scores.copy_(recent)
+        self.recent_scores_valid.copy_(recent_valid)
+
+    def carry_output(self, out: torch.Tensor) -> None:
+        """Keep each row's last routed output of ``out [b, s, d]`` (before any skip-path forecast): the TPN's
+        input for the first token of the next chunk. Detached: a chunk never backpropagates into the next."""
+        self.last_output.copy_(out[:, -1].detach())
+
+    def advance(self, x: torch.Tensor) -> None:
+        """End a chunk of layer inputs ``x [b, s, d]``: keep each row's last input (the causal router's
+        x_{t−1} for the next chunk's first token) and move ``seen`` on by the s layout slots it consumed.
+        Called once per forward, after everything that reads ``seen`` or the carried state."""
+        self.last_input.copy_(x[:, -1].detach())
+        self.seen.add_(x.shape[1])
 
     def make_room(self, num_new: int) -> None:
         """Announce that the next writes add at most ``num_new`` entries to any row, and make room for them.

@@ -29,12 +29,13 @@ trainer and passed in on every call (docs/design.md §3.1); they are never param
 import math
 from dataclasses import dataclass
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtune_dtf.modules.routing_module import RoutingModule
 from torchtune_dtf.modules.selection import sequence_bounds
 
 
@@ -119,7 +120,7 @@ class SurpriseGate:
     score: torch.Tensor
 
 
-class PredictiveRouter(nn.Module):
+class PredictiveRouter(RoutingModule):
     """Turns (D_st, D_ch) into the continuous gate g with learnable o_ce, m_cu.
 
     Args:
@@ -137,10 +138,6 @@ class PredictiveRouter(nn.Module):
         self.o_ce_raw = nn.Parameter(torch.empty(1))
         self.m_cu_raw = nn.Parameter(torch.empty(1))
         self.reset_parameters()
-
-    def adapter_params(self) -> List[str]:
-        """Every routing parameter is trainable in LoRA models (torchtune's ``get_adapter_params`` hook)."""
-        return [name for name, _ in self.named_parameters()]
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
