@@ -400,7 +400,7 @@ def readme_own_text_commands():
 
 
 def test_readme_own_text_overrides_load_the_users_files_in_the_recipe(workdir):
-    from torchtune_dtf.recipes.routed_finetune import merge_overrides
+    from torchtune_dtf.recipes.stock import merge_overrides
 
     commands = readme_own_text_commands()
     # One command for configs whose dataset is one component, one for the 0.5B configs' mixture (a list).

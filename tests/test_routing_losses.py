@@ -6,7 +6,8 @@ import torch
 
 from tests.conftest import build_tiny
 from torchtune_dtf.modules import ROUTING_MODULE_GROUPS, RoutingContext
-from torchtune_dtf.recipes.routed_finetune import PARAM_GROUPS, param_group_of
+from torchtune_dtf.recipes.routed_finetune import param_group_of
+from torchtune_dtf.training.recipe_checks import PARAM_GROUPS
 from torchtune_dtf.training.routing_losses import auxiliary_losses, training_loss
 
 

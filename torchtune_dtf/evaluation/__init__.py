@@ -5,4 +5,6 @@
 - :mod:`torchtune_dtf.evaluation.routing_plots`: the same run drawn with matplotlib (curves, executed
   fractions, a token-level heat map, CE/CU shares, agreement).
 - :mod:`torchtune_dtf.evaluation.metric_logs`: the metrics a recipe's ``DiskLogger`` wrote.
+- :mod:`torchtune_dtf.evaluation.run_summary`: the summary ``routed_finetune`` logs after its final checkpoint
+  (steps, tokens, losses, the saved student's executed fraction per routed layer).
 """

@@ -33,10 +33,12 @@ config that changes what the rest of the run computes (model, data, batch, optim
 schedules…) are refused with a message saying what to do. Extending a finished run is a deliberate act:
 raise ``epochs`` or ``max_steps_per_epoch`` and set ``resume_from_checkpoint: extend`` (the LR and β
 schedules are then recomputed over the new length).
+
+The config and resume checks are :mod:`torchtune_dtf.training.recipe_checks`, the summary a run logs at its
+end is :mod:`torchtune_dtf.evaluation.run_summary`, and the command line is parsed by
+:func:`torchtune_dtf.recipes.stock.parse` (``tune run``'s own merge).
 """
 
-import argparse
-import copy
 import functools
 import math
 import os
@@ -53,20 +55,31 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
-from torchtune.config._parse import TuneRecipeArgumentParser
-from torchtune.config._utils import _get_component_from_path, _merge_yaml_and_cli_args
+from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params, get_merged_lora_ckpt, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from torchtune_dtf.evaluation.run_summary import student_executed_fractions, summarize_run
 from torchtune_dtf.models.qwen2_5 import dense_model_config
-from torchtune_dtf.models.routing_config import KEYS_ADDED_LATER, STATIC_VARIANTS
-from torchtune_dtf.modules import ROUTING_MODULE_GROUPS, routing_group_of
+from torchtune_dtf.models.routing_config import STATIC_VARIANTS
+from torchtune_dtf.modules import routing_group_of
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import RoutingContext
-from torchtune_dtf.recipes.stock import log_config_if_asked
+# Two names are imported from this module elsewhere: merge_overrides (torchtune_dtf.validate) and
+# ADDED_FINGERPRINT_ENTRIES (the study driver in experiments/).
+from torchtune_dtf.recipes.stock import log_config_if_asked, merge_overrides, parse  # noqa: F401
 from torchtune_dtf.training.calibration import batch_for_calibration, calibrate_to_teacher
 from torchtune_dtf.training.checkpointer import RUN_ID_KEY, STEP_KEY, routed_adapter_state_dict
+from torchtune_dtf.training.recipe_checks import (  # noqa: F401
+    ADDED_FINGERPRINT_ENTRIES,
+    PARAM_GROUPS,
+    check_recipe_config,
+    check_resumable,
+    check_resume_length,
+    check_resume_mode,
+    resume_fingerprint,
+)
 from torchtune_dtf.training.routing_losses import distillation_loss, routing_metrics, training_loss
 from torchtune_dtf.data.checks import check_local_text_files, check_text_column
 from torchtune_dtf.data.collate import padded_collate_packed_dense
@@ -79,152 +92,6 @@ from torchtune_dtf.training.schedules import (
 )
 
 log = utils.get_logger("INFO")
-
-#: Parameter groups and the name fragments that put a parameter in them (anything else is backbone).
-#: Optimizer groups besides the backbone, each with its own learning rate: derived from the routing modules.
-PARAM_GROUPS = tuple(dict.fromkeys(ROUTING_MODULE_GROUPS.values()))
-REQUIRED_KEYS = (
-    "model",
-    "tokenizer",
-    "checkpointer",
-    "dataset",
-    "seed",
-    "shuffle",
-    "batch_size",
-    "epochs",
-    "max_steps_per_epoch",
-    "gradient_accumulation_steps",
-    "clip_grad_norm",
-    "optimizer",
-    "learning_rates",
-    "lr_scheduler",
-    "loss",
-    "freeze_base",
-    "resume_from_checkpoint",
-    "save_every_n_steps",
-    "validation",
-    "device",
-    "dtype",
-    "enable_activation_checkpointing",
-    "compile",
-    "metric_logger",
-    "log_every_n_steps",
-    "output_dir",
-    "distillation",
-)
-ROUTED_KEYS = ("routing_loss_weights", "beta_schedule", "scheduled_sampling", "capacity_curriculum", "student_calibration")
-#: Config entries a resumed run must share with its checkpoint: each changes what the rest of the run computes.
-RESUME_INVARIANT_KEYS = (
-    "model", "tokenizer.max_seq_len", "dataset", "seed", "shuffle", "batch_size", "gradient_accumulation_steps",
-    "clip_grad_norm", "optimizer", "learning_rates", "lr_scheduler", "loss", "freeze_base", "dtype",
-    "routing_loss_weights", "beta_schedule", "scheduled_sampling", "capacity_curriculum", "distillation",
-    "epochs", "max_steps_per_epoch",
-)
-#: Fingerprint entries added after checkpoints had been written, each with the value under which a run computes
-#: what it computed before the entry existed. A checkpoint that lacks the entry resumes while the config holds
-#: that value; any other value is a change like every other. The study driver reads the same table for results.
-ADDED_FINGERPRINT_ENTRIES: Dict[str, Any] = {f"model.{key}": value for key, value in KEYS_ADDED_LATER.items()}
-#: What ``resume_from_checkpoint: extend`` may change: the length of the run.
-EXTENDABLE_KEYS = ("epochs", "max_steps_per_epoch")
-RESUME_MODES = (False, True, "extend")
-
-
-def validate_recipe_config(cfg: DictConfig) -> None:
-    """Fail before any work with one message naming every missing or misplaced key."""
-    missing = [key for key in REQUIRED_KEYS if key not in cfg]
-    variant = _variant_of(cfg.model) if "model" in cfg else None
-    sections = [("distillation", ("weight", "temperature"))]
-    if variant is not None and variant not in STATIC_VARIANTS:
-        missing += [key for key in ROUTED_KEYS if key not in cfg]
-        sections += [
-            ("routing_loss_weights", ("pred", "causal", "g_reg", "warmup_steps")),
-            ("beta_schedule", ("type", "beta_ce_start", "beta_ce_end", "beta_cu_start", "beta_cu_end", "warmup_steps")),
-            ("scheduled_sampling", ("share_start", "share_end", "ramp_steps")),
-            ("capacity_curriculum", ("ramp_steps",)),
-            ("student_calibration", ("batches", "rounds")),
-        ]
-    for section, keys in sections:
-        if section in cfg:
-            missing += [f"{section}.{key}" for key in keys if key not in cfg[section]]
-    if "learning_rates" in cfg:
-        missing += [f"learning_rates.{g}" for g in ("backbone", *PARAM_GROUPS) if g not in cfg.learning_rates]
-    if "validation" in cfg:
-        missing += [f"validation.{k}" for k in ("every_n_steps", "max_batches") if k not in cfg.validation]
-    if missing:
-        raise ValueError(f"Config is missing required key(s): {', '.join(missing)}")
-    _check_values(cfg)
-
-
-def _float(value: Any) -> float:
-    try:
-        return float(value)  # YAML reads 1e-3 (no dot) as a string
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _check_values(cfg: DictConfig) -> None:
-    """Values that would make a run do nothing, the wrong thing, or crash after its first step."""
-    problems = []
-    positive = {
-        "epochs": cfg.epochs, "batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "save_every_n_steps": cfg.save_every_n_steps, "log_every_n_steps": cfg.log_every_n_steps,
-        "validation.every_n_steps": cfg.validation.every_n_steps, "validation.max_batches": cfg.validation.max_batches,
-    }
-    if cfg.max_steps_per_epoch is not None:
-        positive["max_steps_per_epoch"] = cfg.max_steps_per_epoch
-    problems += [f"{key} must be a positive integer, got {value!r}" for key, value in positive.items()
-                 if not (isinstance(value, int) and not isinstance(value, bool) and value > 0)]
-    # A negative learning rate is gradient ascent; 0 freezes a group, which freeze_base/LoRA say more clearly but is allowed.
-    problems += [f"learning_rates.{group} must be ≥ 0, got {lr!r}" for group, lr in cfg.learning_rates.items()
-                 if not _float(lr) >= 0]
-    if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
-        problems.append(f"clip_grad_norm must be > 0 or null, got {cfg.clip_grad_norm!r}")
-    if "student_calibration" in cfg:
-        problems += _calibration_problems(cfg)
-    if problems:
-        raise ValueError("Invalid config values:\n  - " + "\n  - ".join(problems))
-
-
-def _calibration_problems(cfg: DictConfig) -> List[str]:
-    # A static variant need not carry the section; `student_calibration.batches=0` on its command line (a script
-    # that trains dense and routed with one command) is then the only key, and rounds are never used.
-    batches, rounds = cfg.student_calibration.get("batches"), cfg.student_calibration.get("rounds")
-    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-    if not (is_int(batches) and batches >= 0):
-        return [f"student_calibration.batches must be an integer ≥ 0 (0 = off), got {batches!r}"]
-    if batches == 0:
-        return []
-    if not (is_int(rounds) and rounds >= 1):
-        return [f"student_calibration.rounds must be a positive integer, got {rounds!r}"]
-    variant = _variant_of(cfg.model)
-    if variant == "random":
-        return ["student_calibration.batches > 0, but variant 'random' has no causal router to calibrate (its "
-                "student runs Bernoulli(γ), on budget in expectation); set student_calibration.batches: 0"]
-    mode = cfg.model.get("student_routing_mode")
-    if mode in ("topk", "window_topk"):
-        return [f"student_calibration.batches > 0, but student_routing_mode {mode!r} already runs γ by rank; "
-                "calibration shifts the threshold of a 'threshold' student. Set student_calibration.batches: 0"]
-    return []
-
-
-def resume_fingerprint(cfg: DictConfig, world_size: int) -> Dict[str, Any]:
-    """The resume-invariant part of ``cfg``, flattened to ``dotted.key: value`` (interpolations resolved)."""
-    flat: Dict[str, Any] = {"world_size": world_size}
-
-    def add(key: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                add(f"{key}.{k}", v)
-        elif isinstance(value, list) and any(isinstance(v, dict) for v in value):
-            for i, v in enumerate(value):
-                add(f"{key}.{i}", v)
-        else:
-            flat[key] = value
-
-    for key in RESUME_INVARIANT_KEYS:
-        value = OmegaConf.select(cfg, key)
-        add(key, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
-    return flat
 
 
 @functools.lru_cache(maxsize=8)
@@ -243,6 +110,12 @@ def model_identity(cfg_model: DictConfig) -> Tuple[str, bool]:
 
 def _variant_of(cfg_model: DictConfig) -> str:
     return model_identity(cfg_model)[0]
+
+
+def validate_recipe_config(cfg: DictConfig) -> None:
+    """Fail before any work with one message naming every missing or misplaced key, then every bad value
+    (:func:`~torchtune_dtf.training.recipe_checks.check_recipe_config` for the variant ``cfg.model`` builds)."""
+    check_recipe_config(cfg, _variant_of(cfg.model) if "model" in cfg else None)
 
 
 #: Prefix that activation checkpointing adds to the names of wrapped modules' parameters (not to state-dict keys).
@@ -288,8 +161,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self._save_every_n_steps = cfg.save_every_n_steps
         self._val_every_n_steps = cfg.validation.every_n_steps
         self._val_max_batches = cfg.validation.max_batches
-        if cfg.resume_from_checkpoint not in RESUME_MODES:
-            raise ValueError(f"resume_from_checkpoint must be one of {RESUME_MODES}, got {cfg.resume_from_checkpoint!r}")
+        check_resume_mode(cfg.resume_from_checkpoint)
         self._resume_from_checkpoint = bool(cfg.resume_from_checkpoint)
         self._extend = cfg.resume_from_checkpoint == "extend"
         self.seed = training.set_seed(seed=cfg.seed)
@@ -323,7 +195,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self._fingerprint = resume_fingerprint(cfg, self.world_size)
         if self._resume_from_checkpoint:
             # Before any state is applied: a checkpoint that cannot be continued faithfully is refused.
-            self._check_resumable(checkpoint)
+            check_resumable(checkpoint, self._fingerprint, self._checkpointer._resume_folder, extend=self._extend)
             self._run_id = checkpoint[RUN_ID_KEY]
         else:
             self._run_id = uuid.uuid4().hex  # recorded in output_dir when training starts (setup writes nothing)
@@ -367,7 +239,13 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
                 "or add data; the run would save the untrained model as its result."
             )
         if self._resume_from_checkpoint:
-            self._check_resume_length(checkpoint["total_steps"])
+            # A finished run is only continued on purpose (extend); otherwise its length must be unchanged.
+            check_resume_length(self._checkpointer._resume_folder, done=self.global_step,
+                                planned_steps=checkpoint["total_steps"], total_steps=self._total_steps, extend=self._extend)
+            if self._extend:
+                self.epochs_run = self.global_step // self._steps_per_epoch
+                log.info(f"Extending run {self._run_id} from step {self.global_step} to {self._total_steps}; "
+                         "the LR and β schedules are recomputed over the new length")
         self._lr_scheduler = config.instantiate(
             cfg.lr_scheduler, self._optimizer, num_training_steps=self._total_steps, last_epoch=self.global_step - 1
         )
@@ -504,56 +382,6 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         if state is not None:
             dataloader.load_state_dict(state)
         return dataloader
-
-    def _check_resumable(self, checkpoint: Dict[str, Any]) -> None:
-        """Refuse to resume with a config that changes what the rest of the run computes."""
-        folder = self._checkpointer._resume_folder
-        saved = checkpoint.get("resume_fingerprint")
-        if saved is None:
-            raise ValueError(f"{folder} holds no resume fingerprint (written by an older version): it cannot be resumed exactly")
-        absent = "<absent>"
-        # Only entries the config has: a variant without the key (dense has no skip_update) has nothing to compare.
-        saved = {**{key: off for key, off in ADDED_FINGERPRINT_ENTRIES.items()
-                    if key not in saved and key in self._fingerprint}, **saved}
-        diffs = [
-            f"{key}: checkpoint {saved.get(key, absent)!r}, config {self._fingerprint.get(key, absent)!r}"
-            for key in sorted(set(saved) | set(self._fingerprint))
-            if saved.get(key, absent) != self._fingerprint.get(key, absent)
-            and not (self._extend and key.split(".")[0] in EXTENDABLE_KEYS)
-        ]
-        if diffs:
-            raise ValueError(
-                f"Cannot resume {folder} exactly: the config differs from the one it was trained with:\n  - "
-                + "\n  - ".join(diffs)
-                + "\nRestore those values to resume. To train with the new ones, start a new run from its weights "
-                f"(checkpointer.checkpoint_dir={folder}, a fresh output_dir). Changing only epochs or "
-                "max_steps_per_epoch is resume_from_checkpoint: extend."
-            )
-
-    def _check_resume_length(self, planned_steps: int) -> None:
-        """A finished run is only continued on purpose (``extend``); otherwise the length must be unchanged."""
-        folder, done = self._checkpointer._resume_folder, self.global_step
-        if self._extend:
-            if self._total_steps <= done:
-                raise ValueError(
-                    f"resume_from_checkpoint: extend, but this config trains {self._total_steps} steps and {folder} "
-                    f"has done {done}: raise epochs or max_steps_per_epoch"
-                )
-            self.epochs_run = done // self._steps_per_epoch
-            log.info(f"Extending run {self._run_id} from step {done} to {self._total_steps}; "
-                     "the LR and β schedules are recomputed over the new length")
-        elif done >= planned_steps:
-            raise ValueError(
-                f"{folder} is the end of a finished run (step {done} of {planned_steps}); resuming would retrain and "
-                "overwrite its final model. To train it further, raise epochs or max_steps_per_epoch and set "
-                f"resume_from_checkpoint: extend; to start a new run from its weights, use checkpointer.checkpoint_dir={folder} "
-                "and a fresh output_dir."
-            )
-        elif self._total_steps != planned_steps:
-            raise ValueError(
-                f"Cannot resume {folder} exactly: the run was planned for {planned_steps} steps and this config and "
-                f"data give {self._total_steps} (the dataset changed length?); the LR and β schedules would change"
-            )
 
     def _restore_recipe_state(self, checkpoint: Dict[str, Any]) -> None:
         try:
@@ -725,89 +553,27 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         )
 
     # ----------------------------------------------------------------------------------- run summary
-    @torch.no_grad()
-    def _student_executed_fractions(self) -> Tuple[str, Dict[int, float]]:
-        """``(source, {layer: fraction})``: the share of real tokens each routed layer's student runs on the first
-        batch of the validation data (of the training data without ``dataset_val``), with the model as saved
-        (after student calibration). One no-grad student forward, on every rank (FSDP2 forwards are collective)."""
-        layers = [m for m in self._model.modules() if isinstance(m, RoutedSelfAttentionLayer)]
-        if not layers:
-            return "", {}
-        if any(m.student_routing_mode == "topk" and not m.allow_noncausal_student_topk for m in layers):
-            # A whole-sequence top-k student is refused without a cache (docs/design.md R4); it runs ⌊γ·n⌋ by construction.
-            return "top-k student: ⌊γ·n⌋ per sequence by construction", {}
-        loader, source = (
-            (self._val_dataloader, "validation") if self._val_dataloader is not None else (self._dataloader, "training")
-        )
-        # From the dataset, not an iterator of the loader: the training loader's position stays what it saved.
-        rows = [loader.dataset[i] for i in range(min(loader.batch_size, len(loader.dataset)))]
-        batch = batch_for_calibration(loader.collate_fn(rows), self._loss_fn.ignore_index)
-        batch = {k: (v.to(self._device) if v is not None else None) for k, v in batch.items()}
-        routing = RoutingContext(mode="student")
-        self._model.eval()
-        try:
-            self._logits(self._model, batch, routing)
-        finally:
-            self._model.train()
-        valid = batch["valid"]
-        order = sorted(routing.layers)
-        counts = torch.tensor(
-            [[float((routing.layers[i].selected_mask & valid).sum()), float(valid.sum())] for i in order],
-            dtype=torch.float64, device=self._device,
-        )
-        if self._distributed:
-            dist.all_reduce(counts)
-        return f"first {source} batch", {i: (c[0] / c[1]).item() for i, c in zip(order, counts)}
-
     def _summarize(self, wall_s: float, steps: int, tokens: int, last_lm_loss: Optional[float]) -> Dict[str, Any]:
-        """Log what the run did, once, after its final checkpoint: train and validation loss, steps, tokens,
-        wall time and throughput, the student's executed fraction per routed layer, and where the output is.
-        Also written to the metric log as ``summary/...`` at the last step. Returns the summary (rank 0; ``{}``
-        elsewhere)."""
-        source, executed = self._student_executed_fractions() if self._routed else ("", {})
+        """The run summary (:func:`~torchtune_dtf.evaluation.run_summary.summarize_run`), once, after the final
+        checkpoint. Collective: every rank runs the student forward for the executed fractions and sums its
+        target tokens into the total. Returns the summary on rank 0, ``{}`` elsewhere."""
+        source, executed = (
+            student_executed_fractions(self._model, self._dataloader, self._val_dataloader, self._loss_fn.ignore_index,
+                                       self._device, all_reduce=self._distributed)
+            if self._routed else ("", {})
+        )
         tokens_all = torch.tensor(float(tokens), dtype=torch.float64, device=self._device)
         if self._distributed:
             dist.all_reduce(tokens_all)
         if not self._is_rank_zero:
             return {}
-        tokens = int(tokens_all.item())
-        val_step, val = self._last_validation if self._last_validation is not None else (None, {})
-        summary: Dict[str, Any] = {
-            "steps": steps, "global_step": self.global_step, "total_steps": self._total_steps, "tokens": tokens,
-            "wall_s": wall_s, "tokens_per_second": tokens / max(wall_s, 1e-9), "train_lm_loss": last_lm_loss,
-            "val_step": val_step, "val_lm_loss_student": val.get("val/lm_loss_student"),
-            "val_lm_loss_teacher": val.get("val/lm_loss_teacher"), "executed_source": source,
-            "executed_fraction": executed,
-            "output_dir": os.path.join(self._output_dir, f"epoch_{self.epochs_run - 1}"),
-            # DiskLogger's file; other loggers (stdout, W&B, TensorBoard) have none.
-            "metric_log": str(self._metric_logger.path_to_log_file()) if hasattr(self._metric_logger, "path_to_log_file") else None,
-        }
-        first = self.global_step - steps + 1
-        lines = [
-            f"steps {first}–{self.global_step} of {self._total_steps} ({steps} in this run), {tokens:,} target tokens, "
-            f"{wall_s:.1f} s wall time, {summary['tokens_per_second']:.1f} tokens/s",
-            "train LM loss, last step: " + (f"{last_lm_loss:.4f}" if last_lm_loss is not None else "– (no step run)"),
-        ]
-        if val_step is None:
-            why = "no dataset_val" if self._val_dataloader is None else f"validation.every_n_steps is {self._val_every_n_steps}"
-            lines.append(f"validation: none ran ({why})")
-        else:
-            after = " (before student calibration)" if self._routed and self._calibration_batches else ""
-            lines.append(f"validation LM loss at step {val_step}{after}: student {val['val/lm_loss_student']:.4f}, "
-                         f"teacher {val['val/lm_loss_teacher']:.4f}")
-        if executed:
-            lines.append(f"student executes ({source}, model as saved): "
-                         + ", ".join(f"layer {i} {f:.3f}" for i, f in executed.items()))
-        elif source:
-            lines.append(f"student executes: {source}")
-        lines.append(f"output: {summary['output_dir']}" + (f"  (metrics: {summary['metric_log']})" if summary["metric_log"] else ""))
-        log.info("Run summary:\n  " + "\n  ".join(lines))
-
-        numeric = {k: summary[k] for k in ("steps", "tokens", "wall_s", "tokens_per_second", "train_lm_loss",
-                                           "val_lm_loss_student", "val_lm_loss_teacher") if summary[k] is not None}
-        numeric.update({f"layer_{i}/student_executed": f for i, f in executed.items()})
-        self._metric_logger.log_dict({f"summary/{k}": v for k, v in numeric.items()}, step=self.global_step)
-        return summary
+        return summarize_run(
+            steps=steps, global_step=self.global_step, total_steps=self._total_steps, tokens=int(tokens_all.item()),
+            wall_s=wall_s, last_lm_loss=last_lm_loss, last_validation=self._last_validation,
+            has_validation_data=self._val_dataloader is not None, val_every_n_steps=self._val_every_n_steps,
+            calibrated=self._routed and bool(self._calibration_batches), executed_source=source, executed=executed,
+            output_dir=os.path.join(self._output_dir, f"epoch_{self.epochs_run - 1}"), metric_logger=self._metric_logger,
+        )
 
     def _calibrate_student(self) -> None:
         """Before the final save: shift each threshold student's router bias so that it executes, on the
@@ -903,50 +669,6 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             self._metric_logger.close()
         if self._distributed:
             dist.destroy_process_group()
-
-
-# ------------------------------------------------------------------------------------- command line
-def merge_overrides(yaml_cfg: Dict[str, Any], overrides: List[str]) -> DictConfig:
-    """``yaml_cfg`` (a config as plain containers) with ``key=value`` overrides merged exactly as ``tune run``
-    merges them (torchtune's own merge: ``~key`` removes a key, ``key=dotted.path`` on a component sets its
-    ``_component_``, ``None`` is null).
-
-    OmegaConf cannot merge into a list, so an override that reaches into a list-valued key (``dataset`` of the
-    0.5B configs is the papers' mixture, a list of components) fails with "Cannot merge incompatible container
-    types"; that error is re-raised saying how to replace the list instead.
-    """
-    try:
-        return _merge_yaml_and_cli_args(argparse.Namespace(**copy.deepcopy(dict(yaml_cfg))), list(overrides))
-    except Exception as err:  # OmegaConf raises TypeError, ValueError or its own errors here
-        removed = {o[1:].split("=", 1)[0] for o in overrides if o.startswith("~")}
-        touched = {o.split("=", 1)[0].split(".", 1)[0] for o in overrides if not o.startswith("~")}
-        lists = sorted(k for k in touched - removed if isinstance(yaml_cfg.get(k), (list, tuple)))
-        if not lists:
-            raise
-        key = lists[0]
-        example = (
-            f"'~{key}' {key}._component_=torchtune.datasets.text_completion_dataset {key}.source=json "
-            f"{key}.data_files=YOUR_TEXT.jsonl {key}.packed=True"
-            if key.startswith("dataset") else f"'~{key}' {key}._component_=... {key}.<argument>=..."
-        )
-        raise ValueError(
-            f"`{key}` is a list in this config ({len(yaml_cfg[key])} entries), and a key=value override cannot change "
-            f"one entry or turn the list into one component ({err}). Replace the whole list: remove it and give the "
-            f"new component key by key, e.g. {example} (README, 'Your own text')."
-        ) from err
-
-
-def parse(recipe_main):
-    """torchtune's ``config.parse`` (the same ``--config FILE key=value ...`` command line and merge), with
-    :func:`merge_overrides`'s explanation when an override reaches into a list."""
-
-    @functools.wraps(recipe_main)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        parser = TuneRecipeArgumentParser(description=recipe_main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-        yaml_args, cli_args = parser.parse_known_args()
-        sys.exit(recipe_main(merge_overrides(vars(yaml_args), cli_args)))
-
-    return wrapper
 
 
 @parse

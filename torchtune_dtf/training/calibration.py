@@ -24,9 +24,11 @@ upstream; the later rounds are plain ones (every layer re-measured from one ordi
 that small rest.
 """
 
-from typing import Dict, List, Mapping, Optional, Sequence
+import math
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
@@ -55,6 +57,58 @@ def _valid(batch: CalibrationBatch, like: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(like, dtype=torch.bool) if valid is None else valid.to(like.device)
 
 
+def _routed_passes(
+    model: nn.Module, batches: Sequence[CalibrationBatch], routing: Callable[[], RoutingContext]
+) -> Iterator[Tuple[RoutingContext, torch.Tensor]]:
+    """One forward per batch, each with a fresh context from ``routing()``; yields that context (holding each
+    routed layer's record of the forward) and the batch's real tokens ``valid [b, s]``."""
+    for batch in batches:
+        ctx = routing()
+        _forward(model, batch, ctx)
+        yield ctx, _valid(batch, batch["tokens"])
+
+
+@torch.no_grad()
+def executed_fractions(
+    model: nn.Module,
+    batches: Sequence[CalibrationBatch],
+    routing: Callable[[], RoutingContext],
+    layers: Optional[Sequence[int]] = None,
+    selection: str = "selected_mask",
+    all_reduce: bool = False,
+) -> Dict[int, float]:
+    """Fraction of the real tokens of ``batches`` that each routed layer runs: Σ (selection & valid) / Σ valid.
+
+    Args:
+        model: a routed decoder (plain or FSDP2-sharded).
+        batches: the text (see :data:`CalibrationBatch`); padding (``valid`` False) counts in neither sum.
+        routing: makes each batch's fresh :class:`RoutingContext` (its mode says whose selection runs).
+        layers: the layer indices to count, in the order of the result (default: every layer that left a
+            record in the first forward, by index).
+        selection (str): the :class:`~torchtune_dtf.modules.routing_context.LayerRouting` mask counted:
+            ``"selected_mask"`` (the tokens that ran the block) or ``"teacher_mask"`` (the teacher's selection,
+            teacher mode only).
+        all_reduce (bool): sum the counts over the ranks of the default process group before dividing (each
+            rank passing its own batches).
+
+    Returns:
+        Dict[int, float]: ``{layer_idx: fraction}``, NaN where ``batches`` hold no real token.
+    """
+    counts = None  # [len(layers) + 1] float64: tokens each layer ran, then real tokens; one host read at the end
+    for ctx, valid in _routed_passes(model, batches, routing):
+        if layers is None:
+            layers = sorted(ctx.layers)
+        ran = [(getattr(ctx.layers[idx], selection) & valid).sum() for idx in layers]
+        in_batch = torch.stack([*ran, valid.sum()]).double()
+        counts = in_batch if counts is None else counts + in_batch
+    if counts is None:
+        return {idx: math.nan for idx in layers or ()}
+    if all_reduce:
+        dist.all_reduce(counts)
+    *ran, real = counts.tolist()
+    return {idx: count / real if real else math.nan for idx, count in zip(layers, ran)}
+
+
 @torch.no_grad()
 def teacher_fractions(model: nn.Module, batches: Sequence[CalibrationBatch], routing: RoutingContext) -> Dict[int, float]:
     """Fraction of real tokens each calibratable layer's teacher selects on ``batches``.
@@ -62,42 +116,31 @@ def teacher_fractions(model: nn.Module, batches: Sequence[CalibrationBatch], rou
     Args:
         routing (RoutingContext): a teacher-mode context (its β and capacity progress); a fresh copy per batch.
     """
-    layers = calibratable_layers(model)
-    selected = {layer.layer_idx: 0.0 for layer in layers}
-    total = 0.0
-    for batch in batches:
-        ctx = RoutingContext(mode="teacher", beta_ce=routing.beta_ce, beta_cu=routing.beta_cu,
-                             capacity_progress=routing.capacity_progress)
-        _forward(model, batch, ctx)
-        valid = _valid(batch, batch["tokens"])
-        total += float(valid.sum())
-        for idx in selected:
-            selected[idx] += float((ctx.layers[idx].teacher_mask & valid).sum())
-    return {idx: count / total for idx, count in selected.items()}
+    return executed_fractions(
+        model, batches,
+        lambda: RoutingContext(mode="teacher", beta_ce=routing.beta_ce, beta_cu=routing.beta_cu,
+                               capacity_progress=routing.capacity_progress),
+        layers=[layer.layer_idx for layer in calibratable_layers(model)], selection="teacher_mask",
+    )
 
 
 @torch.no_grad()
 def student_fractions(model: nn.Module, batches: Sequence[CalibrationBatch]) -> Dict[int, float]:
     """Fraction of real tokens each calibratable layer's student executes on ``batches``."""
-    fractions, _ = _student_pass(model, batches)
-    return fractions
+    return executed_fractions(
+        model, batches, lambda: RoutingContext(mode="student"),
+        layers=[layer.layer_idx for layer in calibratable_layers(model)],
+    )
 
 
-def _student_pass(model: nn.Module, batches: Sequence[CalibrationBatch]):
-    layers = calibratable_layers(model)
-    logits: Dict[int, List[torch.Tensor]] = {layer.layer_idx: [] for layer in layers}
-    selected = {layer.layer_idx: 0.0 for layer in layers}
-    total = 0.0
-    for batch in batches:
-        ctx = RoutingContext(mode="student")
-        _forward(model, batch, ctx)
-        valid = _valid(batch, batch["tokens"])
-        total += float(valid.sum())
+def _student_logits(model: nn.Module, batches: Sequence[CalibrationBatch]) -> Dict[int, torch.Tensor]:
+    """Each calibratable layer's causal-router logits r̃ (fp32) on the real tokens of ``batches``, concatenated,
+    from one ordinary student forward per batch."""
+    logits: Dict[int, List[torch.Tensor]] = {layer.layer_idx: [] for layer in calibratable_layers(model)}
+    for ctx, valid in _routed_passes(model, batches, lambda: RoutingContext(mode="student")):
         for idx in logits:
-            record = ctx.layers[idx]
-            logits[idx].append(record.student_logits.float()[valid])
-            selected[idx] += float((record.selected_mask & valid).sum())
-    return {idx: count / total for idx, count in selected.items()}, {idx: torch.cat(v) for idx, v in logits.items()}
+            logits[idx].append(ctx.layers[idx].student_logits.float()[valid])
+    return {idx: torch.cat(v) for idx, v in logits.items()}
 
 
 @torch.no_grad()
@@ -129,7 +172,7 @@ def calibrate_student_routers(
         if layer.student_logit_threshold == float("-inf"):
             raise ValueError(f"Layer {idx}: student_threshold 0 runs every token; there is no threshold to calibrate")
     for round_ in range(rounds):
-        logits = _held_to_target_pass(model, batches, layers, targets) if round_ == 0 else _student_pass(model, batches)[1]
+        logits = _held_to_target_pass(model, batches, layers, targets) if round_ == 0 else _student_logits(model, batches)
         for idx, layer in layers.items():
             layer.causal_router.out.bias.add_(layer.student_logit_threshold - _passing_quantile(logits[idx], targets[idx]))
     return student_fractions(model, batches)
