@@ -74,14 +74,13 @@ BASELINE_OF = {"hybrid_0.90": "layerdrop_4", "hybrid_0.81": "layerdrop_7", "hybr
 
 
 def study_run(study_file: str, name: str) -> Dict:
-    """A run's definition (config file, overrides) from a study YAML, following its ``runs_from``."""
-    study = OmegaConf.to_container(OmegaConf.load(REPO / study_file), resolve=True)
-    for run in study.get("runs", []):
+    """A run's definition (config file, overrides) as the study driver resolves it from a study YAML (its parts
+    and ``runs_from`` followed; the config path absolute)."""
+    from experiments.spec import load_study
+
+    for run in load_study(REPO / study_file, root=REPO)["runs"]:
         if run["name"] == name:
             return run
-    source = study.get("runs_from")
-    if source and name in source["names"]:
-        return study_run(source["study"], name)
     raise KeyError(f"{study_file} defines no run {name!r}")
 
 

@@ -1,5 +1,5 @@
-"""experiments/study.py (with torchtune_dtf.evaluation.metric_logs): the experiment driver end to end on a micro study
-of the tiny model, offline.
+"""experiments/study.py and the experiments package (with torchtune_dtf.evaluation.metric_logs): the experiment
+driver end to end on a micro study of the tiny model, offline.
 
 Fast path: dense + STT, one seed of two, 2 steps each, no eleuther step: the run JSONs' fields, a rerun that
 skips finished runs (no retraining), and the aggregate README (tables, paired differences, partial study, plots).
@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import load_script
+from experiments import StudyError
+from experiments.eleuther import eleuther_config, parse_eleuther_table
+from experiments.evaluation import curves_from_log
+from experiments.frontier import claims, targets
+from experiments.pages import aggregate
+from experiments.results import layer_mean_curve, load_results
+from experiments.spec import load_study
+from experiments.stats import paired_difference, seed_window_bootstrap
+from experiments.subprocesses import write_json
+from experiments.training import DONE_MARKER, planned_config, schedule_every, stale_keys, training_state
 from tests.test_recipe import train_assets  # noqa: F401,E402  (session fixture)
 from torchtune_dtf.evaluation.metric_logs import parse_disk_logs
 
@@ -28,10 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 STUDY_PY = REPO / "experiments" / "study.py"
 TINY = REPO / "configs" / "tiny"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def load_driver():
-    return load_script(STUDY_PY, "study_driver")
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +306,7 @@ def test_killed_study_resumes_training_from_its_checkpoint(workdir):
         proc.wait()
     killed_at = json.loads(manifest.read_text())["global_step"]
     assert killed_at < 12
-    assert load_driver().training_state(manifest.parent.parent) == "resume"
+    assert training_state(manifest.parent.parent) == "resume"
 
     proc = driver(workdir, "run", str(study))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -320,22 +325,20 @@ def test_killed_study_resumes_training_from_its_checkpoint(workdir):
 
 
 def test_done_needs_marker_and_checkpoint_and_schedule_divides_steps(tmp_path):
-    study = load_driver()
-    assert study.training_state(tmp_path / "absent") == "fresh"
+    assert training_state(tmp_path / "absent") == "fresh"
     (tmp_path / "run").mkdir()
-    assert study.training_state(tmp_path / "run") == "fresh"  # no run.json, no checkpoint
-    (tmp_path / "run" / study.DONE_MARKER).write_text("{}")
-    assert study.training_state(tmp_path / "run") == "fresh"  # marker, but the checkpoint was deleted
+    assert training_state(tmp_path / "run") == "fresh"  # no run.json, no checkpoint
+    (tmp_path / "run" / DONE_MARKER).write_text("{}")
+    assert training_state(tmp_path / "run") == "fresh"  # marker, but the checkpoint was deleted
     (tmp_path / "run" / "epoch_0").mkdir()
-    assert study.training_state(tmp_path / "run") == "done"
-    assert [study.schedule_every(s, 4) for s in (1, 2, 3, 40, 100, 200, 7)] == [1, 1, 1, 10, 25, 50, 7]
+    assert training_state(tmp_path / "run") == "done"
+    assert [schedule_every(s, 4) for s in (1, 2, 3, 40, 100, 200, 7)] == [1, 1, 1, 10, 25, 50, 7]
 
 
 def test_two_workers_writing_study_json_at_once_both_succeed(tmp_path, monkeypatch):
     # Workers of one study started side by side both write study.json. Here the second worker writes the whole
     # file between the first one's write and its rename (the interleaving that killed a real worker when both
     # used one temporary name): both writes must land, the last rename's content wins, and no temporary is left.
-    study = load_driver()
     target = tmp_path / "study.json"
     real_replace = os.replace
     interleaved = []
@@ -343,13 +346,13 @@ def test_two_workers_writing_study_json_at_once_both_succeed(tmp_path, monkeypat
     def replace_after_the_other_worker(src, dst):
         if not interleaved:
             interleaved.append(src)
-            study._write_json(target, {"worker": 2})
+            write_json(target, {"worker": 2})
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace_after_the_other_worker)
     umask = os.umask(0o022)  # the file gets a plain write's mode, whatever the shell's umask
     try:
-        study._write_json(target, {"worker": 1})
+        write_json(target, {"worker": 1})
     finally:
         os.umask(umask)
     assert interleaved and json.loads(target.read_text()) == {"worker": 1}
@@ -361,44 +364,41 @@ def test_seed_and_window_bootstrap_covers_text_sampling_and_seeds():
     import random
     import statistics
 
-    study = load_driver()
     # One seed, the same difference in every window: no spread at all.
-    boot = study.seed_window_bootstrap([([2.0, 3.0, 4.0], [1.5, 2.5, 3.5])], resamples=500, seed=0)
+    boot = seed_window_bootstrap([([2.0, 3.0, 4.0], [1.5, 2.5, 3.5])], resamples=500, seed=0)
     assert boot["mean"] == pytest.approx(0.5) and boot["interval"] == pytest.approx((0.5, 0.5))
     # Window noise only (one seed): about the normal interval of a mean of 400 windows with sd 1.
     rng = random.Random(0)
     noise = [rng.gauss(0, 1) for _ in range(400)]
-    boot = study.seed_window_bootstrap([(noise, [0.0] * 400)], resamples=2000, seed=0)
+    boot = seed_window_bootstrap([(noise, [0.0] * 400)], resamples=2000, seed=0)
     half = (boot["interval"][1] - boot["interval"][0]) / 2
     assert half == pytest.approx(1.96 * statistics.stdev(noise) / 20, rel=0.15)
     # Seed noise on top: two seeds 1.0 apart widen it to cover both.
-    two = study.seed_window_bootstrap([(noise, [0.0] * 400), ([v + 1.0 for v in noise], [0.0] * 400)],
+    two = seed_window_bootstrap([(noise, [0.0] * 400), ([v + 1.0 for v in noise], [0.0] * 400)],
                                       resamples=2000, seed=0)
     assert two["interval"][1] - two["interval"][0] > 0.9 and two["mean"] == pytest.approx(sum(noise) / 400 + 0.5)
     with pytest.raises(ValueError, match="per-window losses of one length"):
-        study.seed_window_bootstrap([([1.0, 2.0], [1.0])], resamples=10, seed=0)
+        seed_window_bootstrap([([1.0, 2.0], [1.0])], resamples=10, seed=0)
 
 
 def test_a_study_test_set_must_be_another_file_than_its_heldout(tmp_path):
-    study = load_driver()
     spec = {"name": "s", "out_dir": "out", "work_dir": "work", "seeds": [0], "heldout": {"file": "h.jsonl"},
             "test": {"file": "./h.jsonl", "windows": 4, "seq_len": 8, "spread": True}, "runs": []}
     path = tmp_path / "s.yaml"
     path.write_text(json.dumps(spec))
-    with pytest.raises(study.StudyError, match=r"is the held-out \(validation\) file"):
-        study.load_study(path, tmp_path)
+    with pytest.raises(StudyError, match=r"is the held-out \(validation\) file"):
+        load_study(path, tmp_path)
     spec["test"] = {"file": "t.jsonl", "windows": 4}
     path.write_text(json.dumps(spec))
-    with pytest.raises(study.StudyError, match=r"missing \['seq_len', 'spread'\]"):
-        study.load_study(path, tmp_path)
+    with pytest.raises(StudyError, match=r"missing \['seq_len', 'spread'\]"):
+        load_study(path, tmp_path)
 
 
 def test_paired_t_interval_and_parsed_logs_and_tables_equal_hand_values(tmp_path):
-    study = load_driver()
-    pd = study.paired_difference([1.0, 2.0, 3.0])
+    pd = paired_difference([1.0, 2.0, 3.0])
     assert pd["mean"] == 2.0 and pd["sd"] == 1.0 and pd["se"] == pytest.approx(1 / math.sqrt(3))
     assert pd["ci95"] == pytest.approx((2 - 4.303 / math.sqrt(3), 2 + 4.303 / math.sqrt(3)))
-    assert study.paired_difference([0.5])["ci95"] is None
+    assert paired_difference([0.5])["ci95"] is None
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "log_100.txt").write_text("Step 1 | loss/lm:2.0 tokens:10 \nStep 2 | loss/lm:1.9 tokens:10 \n"
@@ -407,13 +407,13 @@ def test_paired_t_interval_and_parsed_logs_and_tables_equal_hand_values(tmp_path
     rows = parse_disk_logs(logs)
     assert rows == {1: {"loss/lm": 2.0, "tokens": 10.0}, 2: {"loss/lm": 1.9, "tokens": 10.0, "val/lm_loss_student": 2.5},
                     3: {"loss/lm": 1.8, "tokens": 12.0, "routing/layer_1/selected_fraction": 0.5}}
-    curves = study.curves_from_log(rows)
+    curves = curves_from_log(rows)
     assert curves["steps"] == [1, 2, 3] and curves["series"]["val/lm_loss_student"] == [None, 2.5, None]
     table = ("|    Tasks     |Version|Filter|n-shot| Metric |   |Value|   |Stderr|\n"
              "|--------------|------:|------|-----:|--------|---|----:|---|-----:|\n"
              "|tiny_routed_mc|      1|none  |     0|acc     |↑  | 0.25|±  |0.2500|\n"
              "|              |       |none  |     0|acc_norm|↑  | 0.50|±  |0.2887|\n")
-    assert study.parse_eleuther_table(table) == {"tiny_routed_mc": {"acc": 0.25, "acc_stderr": 0.25, "acc_norm": 0.5,
+    assert parse_eleuther_table(table) == {"tiny_routed_mc": {"acc": 0.25, "acc_stderr": 0.25, "acc_norm": 0.5,
                                                                     "acc_norm_stderr": 0.2887}}
 
 
@@ -429,29 +429,27 @@ def test_example_study_dry_run_plans_six_runs_without_training():
 
 
 def test_study_names_of_baselines_and_claims_runs_must_be_runs(tmp_path):
-    study = load_driver()
     spec = {"name": "s", "out_dir": "out", "work_dir": "work", "seeds": [0], "heldout": {"file": "h.jsonl"},
             "baselines": ["dense"], "runs": [{"name": "dense", "config": "d.yaml"}, {"name": "stt", "config": "s.yaml"}]}
     path = tmp_path / "study.yaml"
     path.write_text(json.dumps({**spec, "claims_runs": ["stt"]}))
-    assert study.load_study(path, root=tmp_path)["claims_runs"] == ["stt"]
+    assert load_study(path, root=tmp_path)["claims_runs"] == ["stt"]
     path.write_text(json.dumps(spec))
-    assert study.load_study(path, root=tmp_path)["claims_runs"] is None  # the plot then draws every SDT/STT run
+    assert load_study(path, root=tmp_path)["claims_runs"] is None  # the plot then draws every SDT/STT run
     path.write_text(json.dumps({**spec, "claims_runs": ["stt", "sdt_50"], "baselines": ["layerdrop"]}))
-    with pytest.raises(study.StudyError, match=r"baselines \['layerdrop'\] are not run names; "
+    with pytest.raises(StudyError, match=r"baselines \['layerdrop'\] are not run names; "
                                                r"claims_runs \['sdt_50'\] are not run names"):
-        study.load_study(path, root=tmp_path)
+        load_study(path, root=tmp_path)
 
 
 def test_committed_frontier_results_aggregate_to_paired_tables_of_their_own_numbers(tmp_path):
     # The real study's run files: each paired row is the per-seed difference of the two runs' JSONs, and a
     # run with no seed in common with a baseline gets no row of dashes but one line naming it.
-    study = load_driver()
     source = REPO / "experiments" / "frontier"
     shutil.copytree(source / "runs", tmp_path / "runs")
     shutil.copy(source / "study.json", tmp_path / "study.json")
-    readme = study.aggregate(tmp_path).read_text()
-    _, runs = study.load_results(tmp_path)
+    readme = aggregate(tmp_path).read_text()
+    _, runs = load_results(tmp_path)
     loss = lambda r: r["heldout"]["student_loss"]  # noqa: E731
     expected_names = [r["name"] for r in json.loads((tmp_path / "study.json").read_text())["runs"]]
     for base in ("layerdrop_7", "random_50"):
@@ -474,19 +472,14 @@ def test_committed_frontier_results_aggregate_to_paired_tables_of_their_own_numb
 def test_a_model_key_added_after_a_run_finished_leaves_it_current_only_while_off():
     # The committed results trained before routed configs carried `dropped_layers`; `[]` (off) keeps them
     # current, while a study that now drops a layer makes the same result stale.
-    study = load_driver()
-    spec = study.load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)
+    spec = load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)
     run = next(r for r in spec["runs"] if r["name"] == "stt_50")
     result = json.loads((REPO / "experiments" / "frontier" / "runs" / "stt_50__seed0.json").read_text())
     assert "dropped_layers" not in result["config"]["model"]
-    assert study.planned_config(spec, run, 0, Path(result["output_dir"]))["model"]["dropped_layers"] == []
-    assert study.stale_keys(spec, run, result) == []
+    assert planned_config(spec, run, 0, Path(result["output_dir"]))["model"]["dropped_layers"] == []
+    assert stale_keys(spec, run, result) == []
     dropping = {**run, "overrides": {**run["overrides"], "model.dropped_layers": [14]}}
-    assert study.stale_keys(spec, dropping, result) == ["model"]
-
-
-def _load_frontier_script(name):
-    return load_script(REPO / "experiments" / "frontier" / f"{name}.py", f"frontier_{name}")
+    assert stale_keys(spec, dropping, result) == ["model"]
 
 
 def _write_hand_made_runs(folder, table):
@@ -531,7 +524,6 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
         "stt_far": ("stt", 0.92, [4.02, 4.12, 4.22]),
     }
     _write_hand_made_runs(tmp_path, table)
-    targets = _load_frontier_script("targets")
     markdown = targets.targets_table(tmp_path)
     rows, rows_90 = {}, {}
     for line in markdown.splitlines():
@@ -558,14 +550,14 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     assert prices["layerdrop_7"] == "+2.632 ± 0.000 se (n = 3)" and prices["stt_a"] == "+2.000 ± 0.058 se (n = 3)"
     assert "dense" not in prices and "random_50" not in prices and prices["stt_new"].endswith("(n = 1)")
     # stt_dear is lower than stt_a on no seed's margin, so it is never the best; measured directly, it loses:
-    _, runs = load_driver().load_results(tmp_path)
+    _, runs = load_results(tmp_path)
     losses = {name: targets.by_seed(results) for name, results in runs.items()}
     values, where = targets.matched("stt_dear", ["dense", "layerdrop_7", "layerdrop_4"], runs, losses)
     assert where == "at 0.830 (layerdrop_7 0.810 ↔ layerdrop_4 0.890)"
     assert [round(values[s], 6) for s in range(3)] == [4.4, 4.5, 4.6]
     # A teacher is charged its own selection, top-k at γ: stt_bi20_all's seed-0 student under-ran its budget
     # (0.705 of dense), its teacher did not (γ 0.5 on 20 layers: 0.763 by the closed form).
-    committed = load_driver().load_results(REPO / "experiments" / "frontier")[1]["stt_bi20_all"]
+    committed = load_results(REPO / "experiments" / "frontier")[1]["stt_bi20_all"]
     assert targets.flops_by_seed(committed)[0] == pytest.approx(0.705, abs=1e-3)
     assert targets.teacher_flops_by_seed(committed)[0] == pytest.approx(0.763, abs=1e-3)
     # above every layer-dropping run, dense is the family's point at 1.0
@@ -576,7 +568,7 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     assert targets.family_at(with_distilled, 0.85) == pytest.approx(4.2)
     assert targets.family_at(with_distilled, 0.80) == pytest.approx(4.3)
     # ... and the label names both runs of that point, not whichever sorts first
-    committed_runs = load_driver().load_results(REPO / "experiments" / "frontier")[1]
+    committed_runs = load_results(REPO / "experiments" / "frontier")[1]
     committed_losses = {name: targets.by_seed(results) for name, results in committed_runs.items()}
     family = ["dense", "layerdrop_7", "layerdrop_7_distill", "layerdrop_10", "layerdrop_10_distill"]
     _, where = targets.matched("stt_d4_bi7_all_rlr10", family, committed_runs, committed_losses)
@@ -631,7 +623,6 @@ def test_frontier_targets_check_another_study_folder_from_the_command_line(tmp_p
 def test_frontier_pages_quote_the_default_study_without_study_however_its_path_is_spelt(monkeypatch):
     # The written page quotes the command that regenerates it; a relative or roundabout path to the frontier
     # folder is still the default study (no --study), while another folder is named as given.
-    targets = _load_frontier_script("targets")
     frontier = REPO / "experiments" / "frontier"
     monkeypatch.chdir(REPO)
     for spelt in (frontier, Path("experiments/frontier"), Path("experiments/budget_cpu200/../frontier/")):
@@ -690,7 +681,7 @@ def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
               fractions={1: 0.8 + jitter, 3: 0.6, 5: 0.4 - jitter}, loss=3.9 + 0.1 * seed, executed_end=0.6)
     write("sdt_50_prior0_25", "sdt", 0, surprise={1: (10.0, 3.0), 3: (1.0, 0.3)}, loss=5.4)
     rows = {}
-    for line in _load_frontier_script("claims").claims_table(tmp_path).splitlines()[2:]:
+    for line in claims.claims_table(tmp_path).splitlines()[2:]:
         cells = [c.strip() for c in line.split("|")]
         rows[(cells[1].split(" · ")[0], cells[2])] = (cells[3], cells[4])
     assert rows[("1", "mod_50")][1] == "reproduced"
@@ -716,7 +707,7 @@ def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
     (diverging / "runs").mkdir(parents=True)
     for seed in range(3):
         write("sdt_50", "sdt", seed, lm_end=9.0 if seed == 1 else 5.0, out=diverging)
-    (sdt_row,) = [line for line in _load_frontier_script("claims").claims_table(diverging).splitlines()
+    (sdt_row,) = [line for line in claims.claims_table(diverging).splitlines()
                   if line.startswith("| 1 · Fig. 2A: trains stably | sdt_50 |")]
     assert "7.29 → 9.00" in sdt_row and sdt_row.endswith("| not reproduced |")
 
@@ -724,23 +715,21 @@ def test_frontier_claims_get_the_verdicts_their_numbers_imply(tmp_path):
 def test_predictor_curve_is_the_mean_per_layer_share_not_the_mean_mse():
     # Fig. 2B's panel: a layer with a massive update (D_st 1000) must not decide the curve. Per step, layer 1
     # leaves 0.9 of its update unexplained and layer 3 goes from 0.8 to 0.2; the mean of the shares is plotted.
-    study = load_driver()
     steps = [1, 2]
     series = {"routing/layer_1/d_ch": [900.0, 900.0], "routing/layer_1/d_st": [1000.0, 1000.0],
               "routing/layer_3/d_ch": [0.8, 0.2], "routing/layer_3/d_st": [1.0, 1.0],
               "routing/layer_5/d_ch": [None, 0.5], "routing/layer_5/d_st": [1.0, 0.0]}  # no value / no update
     result = {"curves": {"steps": steps, "series": series}}
-    got_steps, shares = study._layer_mean_curve([result], "d_ch", divided_by="d_st")
+    got_steps, shares = layer_mean_curve([result], "d_ch", divided_by="d_st")
     assert got_steps == steps
     assert shares == pytest.approx([0.85, 0.55])
     # the raw mean of D_ch would be decided by layer 1 alone
-    _, raw = study._layer_mean_curve([result], "d_ch")
+    _, raw = layer_mean_curve([result], "d_ch")
     assert raw[0] == pytest.approx(450.4)
 
 
 def test_runs_from_takes_another_studys_definitions_by_name_and_rejects_unknown_names(tmp_path):
     """A study at another budget (experiments/budget_h100) trains the frontier's runs exactly, not a drifting copy."""
-    study = load_driver()
     first = {"name": "a", "out_dir": "a", "work_dir": "wa", "seeds": [0], "heldout": {"file": "h.jsonl"},
              "runs": [{"name": "dense", "config": "d.yaml"},
                       {"name": "stt", "config": "s.yaml", "overrides": {"model.capacity": 0.75}}]}
@@ -751,23 +740,24 @@ def test_runs_from_takes_another_studys_definitions_by_name_and_rejects_unknown_
               "runs": [{"name": "mod", "config": "m.yaml"}]}
     path = tmp_path / "second.yaml"
     path.write_text(json.dumps(second))
-    runs = study.load_study(path, root=tmp_path)["runs"]
+    runs = load_study(path, root=tmp_path)["runs"]
     assert [run["name"] for run in runs] == ["stt", "dense", "mod"]
     assert runs[0]["overrides"] == {"model.capacity": 0.75}
     assert runs[0]["config"] == str(tmp_path / "s.yaml")
     path.write_text(json.dumps({**second, "runs_from": {"study": "first.yaml", "names": ["stt", "sdt"]}}))
-    with pytest.raises(study.StudyError, match=r"runs_from names \['sdt'\] are not runs of first.yaml"):
-        study.load_study(path, root=tmp_path)
+    with pytest.raises(StudyError, match=r"runs_from names \['sdt'\] are not runs of first.yaml"):
+        load_study(path, root=tmp_path)
     path.write_text(json.dumps({**second, "runs_from": {"study": "first.yaml"}}))
-    with pytest.raises(study.StudyError, match="runs_from needs exactly"):
-        study.load_study(path, root=tmp_path)
+    with pytest.raises(StudyError, match="runs_from needs exactly"):
+        load_study(path, root=tmp_path)
     # the committed GPU-budget studies: the frontier's definitions, only the budget differs
-    frontier = {run["name"]: run for run in study.load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)["runs"]}
+    frontier = {run["name"]: run for run in load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)["runs"]}
     for name in ("budget_h100/study.yaml", "budget_h100/anchor60.yaml", "budget_cpu200/study.yaml"):
-        spec = study.load_study(REPO / "experiments" / name, root=REPO)
-        # a run of the frontier's name is the frontier's run; others are the study's own (its `runs:` list),
-        # runs that only exist at that budget
-        own = {run["name"] for run in yaml.safe_load((REPO / "experiments" / name).read_text()).get("runs") or []}
+        spec = load_study(REPO / "experiments" / name, root=REPO)
+        # a run of the frontier's name is the frontier's run; others are the study's own (its `runs:` list, whose
+        # names its parts may generate), runs that only exist at that budget
+        taken = set(yaml.safe_load((REPO / "experiments" / name).read_text())["runs_from"]["names"])
+        own = {run["name"] for run in spec["runs"]} - taken
         assert own.isdisjoint(frontier), f"{name} redefines frontier runs {sorted(own & set(frontier))}"
         assert spec["runs"] and all(run == frontier[run["name"]] for run in spec["runs"] if run["name"] not in own)
         assert {run["name"] for run in spec["runs"]} - own <= set(frontier)
@@ -775,7 +765,7 @@ def test_runs_from_takes_another_studys_definitions_by_name_and_rejects_unknown_
 
 def test_frontier_queue_lists_every_run_and_seed_of_the_study_and_nothing_else():
     """queue.sh runs exactly the pairs of queue.txt: a typo there would silently never run (or never finish)."""
-    study = load_driver().load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)
+    study = load_study(REPO / "experiments" / "frontier" / "study.yaml", root=REPO)
     defined = {f"{run['name']}:{seed}" for run in study["runs"] for seed in study["seeds"]}
     text = (REPO / "experiments" / "frontier" / "queue.txt").read_text()
     listed = [item for line in text.splitlines() for item in line.split("#")[0].split()]
@@ -788,7 +778,6 @@ def test_eleuther_config_of_a_run_older_than_a_required_key_evaluates_as_it_trai
     driver writes for it names ``skip_update: none`` (it would not build otherwise); a newer run's value is kept."""
     from omegaconf import OmegaConf
 
-    study = load_driver()
     root = Path(__file__).resolve().parents[1]
     saved = OmegaConf.load(root / "configs" / "quickstart" / "layerdrop_smollm2.yaml")
     spec = {"eleuther": {"config": str(root / "configs" / "quickstart" / "eval_stt_smollm2.yaml"),
@@ -799,5 +788,5 @@ def test_eleuther_config_of_a_run_older_than_a_required_key_evaluates_as_it_trai
         else:
             saved.model.skip_update = written
         OmegaConf.save(saved, tmp_path / "torchtune_config.yaml")
-        cfg = study.eleuther_config(spec, tmp_path / "torchtune_config.yaml", tmp_path, tmp_path / "eval")
+        cfg = eleuther_config(spec, tmp_path / "torchtune_config.yaml", tmp_path, tmp_path / "eval")
         assert cfg["model"]["skip_update"] == expected and cfg["model"]["variant"] == "layerdrop"

@@ -33,7 +33,7 @@ fi
 
 export OMP_NUM_THREADS=1   # the held-out evaluation runs on the CPU, in every process at once
 for study in $STUDIES; do
-    plan=$($PY -c "import sys; sys.path.insert(0, 'experiments'); import study; s = study.load_study(sys.argv[1])
+    plan=$($PY -c "import sys; sys.path.insert(0, '.'); from experiments.spec import load_study; s = load_study(sys.argv[1])
 print(' '.join(r['name'] for r in s['runs'])); print(' '.join(map(str, s['seeds'])))" "$study") || { echo "FAIL $study"; exit 1; }
     names=$(echo "$plan" | sed -n 1p); seeds=$(echo "$plan" | sed -n 2p)
     tag=$(basename "$study" .yaml)

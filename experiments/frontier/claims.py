@@ -3,10 +3,13 @@
     python experiments/frontier/claims.py [--write]      # prints a Markdown table; --write: claims.md
 
 Every claim is tested on the runs that share the papers' setting at our scale: γ = 0.5 on every other inner
-layer, 60 steps from pretrained SmolLM2-135M (``mod_50``, ``sdt_50``, ``stt_50``, ``stt_dynamic``, and the
-ablations ``sdt_50_prior0_25``, ``lora_stt_50``). A number is per seed first (a run's own curve or held-out
-report), then a mean ± standard error over seeds; two runs are compared by their per-seed difference. The
-verdict vocabulary is the issue's:
+layer, 60 steps from pretrained SmolLM2-135M. The study file names them by role (``claims:``; ``--study DIR`` takes
+the section of the study file DIR's ``study.json`` names, a folder without one is judged with the frontier study's):
+``mod``, ``sdt``, ``stt`` (the fixed-capacity variants; the frontier's ``mod_50``, ``sdt_50``, ``stt_50``),
+``dynamic`` (STT with dynamic capacity, ``stt_dynamic``), the ablations ``larger_prior`` (``sdt_50_prior0_25``) and
+``lora`` (``lora_stt_50``), and ``dense``. A number is per seed first (a run's own curve or held-out report), then a
+mean ± standard error over seeds; two runs are compared by their per-seed difference. The verdict vocabulary is the
+issue's:
 
 - **reproduced**: with three seeds, the effect the papers state is there beyond 2 standard errors (for a claim
   of "no worse", no contrary effect beyond 2 se);
@@ -34,7 +37,7 @@ The claims (paper section; ``sdt_stt_paper.txt`` lines 238–289):
    beyond 2 se.
 5. §5: routing shifts from novelty (CU) to prediction (CE) over training — per layer-averaged training curves,
    (CE share − CU share of the teacher's choices) over the last 10 steps minus over the first 10 is above 0
-   beyond 2 se. Checked on ``sdt_50`` and ``stt_50``; every other SDT/STT run of the study is listed as well.
+   beyond 2 se. Checked on ``sdt`` and ``stt``; every other SDT/STT run of the study is listed as well.
 6. Causal-router agreement, STT vs SDT (asked by the issue, not a claim of the papers): held-out teacher–student
    agreement accuracy averaged over routed layers, answered either way.
 7. Table 2: a lightweight PriorFFN is sufficient — the larger prior (f = 0.25) does not lower the held-out
@@ -45,23 +48,27 @@ The claims (paper section; ``sdt_stt_paper.txt`` lines 238–289):
    loss above 0 beyond 2 se, for each of MoD, SDT, STT fixed and dynamic.
 """
 
-import importlib.util
+import json
 import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("frontier_targets", HERE / "targets.py")
-targets = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(targets)
-study = targets.study
+if str(HERE.parents[1]) not in sys.path:
+    sys.path.insert(0, str(HERE.parents[1]))  # run as a script: the checkout's experiments package
+
+from experiments import stats  # noqa: E402
+from experiments.frontier import targets  # noqa: E402
+from experiments.results import layer_mean_curve, layer_values, load_results, unexplained_update_share  # noqa: E402
 
 SEEDS_NEEDED = targets.SEEDS_NEEDED
 FIRST_STEPS, LAST_STEPS = 5, 15        # claim 1–3: start and end of a training curve (the paper's 15-step EMA)
 SHIFT_WINDOW = 10                      # claim 5: early and late windows of the CE/CU share curves
-PAPER_VARIANTS = ("mod_50", "sdt_50", "stt_50", "stt_dynamic")
-FIXED_CAPACITY = ("mod_50", "sdt_50", "stt_50")  # the variants of Fig. 2A
+ROLES = ("dense", "mod", "sdt", "stt", "dynamic", "larger_prior", "lora")  # the runs a study names in ``claims:``
+PAPER_VARIANTS = ("mod", "sdt", "stt", "dynamic")  # roles: the conditional-compute variants of Table 1
+FIXED_CAPACITY = ("mod", "sdt", "stt")  # roles: the variants of Fig. 2A
 
 PerSeed = Dict[int, float]
 
@@ -85,14 +92,14 @@ def heldout_student_loss(r) -> Optional[float]:
 
 def depth_slope(r) -> Optional[float]:
     """Least-squares slope of the held-out threshold-router share (teacher) against layer index."""
-    fractions = study._layer_values([r], "teacher/teacher_fraction")
-    return study._slope([float(layer) for layer in fractions], list(fractions.values())) if fractions else None
+    fractions = layer_values([r], "teacher/teacher_fraction")
+    return stats.slope([float(layer) for layer in fractions], list(fractions.values())) if fractions else None
 
 
 def teacher_fraction_mean(window: slice) -> Callable[[dict], Optional[float]]:
     """A run's teacher executed fraction, averaged over routed layers and over ``window`` of its logged steps."""
     def value(r):
-        _, fractions = study._layer_mean_curve([r], "teacher_fraction")
+        _, fractions = layer_mean_curve([r], "teacher_fraction")
         fractions = [v for v in fractions[window] if v is not None]
         return statistics.fmean(fractions) if fractions else None
     return value
@@ -100,8 +107,8 @@ def teacher_fraction_mean(window: slice) -> Callable[[dict], Optional[float]]:
 
 def ce_over_cu_shift(r) -> Optional[float]:
     """(CE share − CU share) of the teacher's choices, late minus early in training, averaged over layers."""
-    _, ce = study._layer_mean_curve([r], "teacher_ce_share")
-    _, cu = study._layer_mean_curve([r], "teacher_cu_share")
+    _, ce = layer_mean_curve([r], "teacher_ce_share")
+    _, cu = layer_mean_curve([r], "teacher_cu_share")
     if len(ce) < 2 * SHIFT_WINDOW or len(cu) != len(ce):
         return None
     margin = [a - b for a, b in zip(ce, cu)]
@@ -109,11 +116,11 @@ def ce_over_cu_shift(r) -> Optional[float]:
 
 
 def unexplained_share(r) -> Optional[float]:
-    return study.unexplained_update_share([r])
+    return unexplained_update_share([r])
 
 
 def mean_agreement(r) -> Optional[float]:
-    values = study._layer_values([r], "teacher/agreement_accuracy")
+    values = layer_values([r], "teacher/agreement_accuracy")
     return statistics.fmean(values.values()) if values else None
 
 
@@ -127,7 +134,7 @@ def per_seed(runs, name: str, metric: Callable[[dict], Optional[float]]) -> PerS
 
 
 def one_sample(values: PerSeed):
-    return study.paired_difference([values[s] for s in sorted(values)])
+    return stats.paired_difference([values[s] for s in sorted(values)])
 
 
 def verdict(pd, claimed_sign: int, no_worse: bool = False) -> str:
@@ -144,9 +151,28 @@ def verdict(pd, claimed_sign: int, no_worse: bool = False) -> str:
     return "reproduced (no contrary effect beyond 2 se)" if no_worse else "not reproduced (no effect beyond 2 se)"
 
 
+def claim_runs(out_dir: Path) -> Dict[str, str]:
+    """The run of each role (``ROLES``) the claims are tested on: the ``claims`` section of the study ``out_dir``
+    holds (from its ``study.json``, else from the study file that names as its source), else the frontier study's."""
+    from omegaconf import OmegaConf
+
+    spec_path = Path(out_dir) / "study.json"
+    spec = json.loads(spec_path.read_text()) if spec_path.is_file() else {}
+    sections = [spec.get("claims")]
+    for source in (spec.get("source"), HERE / "study.yaml"):
+        if source and Path(source).is_file():
+            sections.append(OmegaConf.to_container(OmegaConf.load(source)).get("claims"))
+    roles = next(section for section in sections if section)  # the frontier study's always has one
+    missing = [role for role in ROLES if role not in roles]
+    if missing:
+        raise ValueError(f"the study's claims section names no run for {missing} (roles: {list(ROLES)})")
+    return roles
+
+
 def claims_table(out_dir: Path) -> str:
     """The Markdown table of every claim's verdict on the run JSONs under ``out_dir/runs``."""
-    _, runs = study.load_results(out_dir)
+    _, runs = load_results(out_dir)
+    role = claim_runs(out_dir)
     rows: List[str] = []
 
     def row(claim: str, compared: str, numbers: str, result: str) -> None:
@@ -172,7 +198,7 @@ def claims_table(out_dir: Path) -> str:
     # 1. stable training: every seed of every fixed-capacity variant ends below where it began
     lm_start = curve_mean("loss/lm", slice(None, FIRST_STEPS))
     lm_end = curve_mean("loss/lm", slice(-LAST_STEPS, None))
-    for name in FIXED_CAPACITY:
+    for name in (role[r] for r in FIXED_CAPACITY):
         if missing((name,)):
             row("1 · Fig. 2A: trains stably", name, "not run yet", "inconclusive (0/3 seeds)")
             continue
@@ -187,50 +213,51 @@ def claims_table(out_dir: Path) -> str:
             result = "reproduced"
         row("1 · Fig. 2A: trains stably", name, f"training LM loss first {FIRST_STEPS} → last {LAST_STEPS} steps: "
             + numbers, result)
-    if not missing(("stt_dynamic",)):
+    dynamic, sdt, stt, mod = role["dynamic"], role["sdt"], role["stt"], role["mod"]
+    if not missing((dynamic,)):
         executed_start = teacher_fraction_mean(slice(None, FIRST_STEPS))
         executed_end = teacher_fraction_mean(slice(-LAST_STEPS, None))
 
         def pair(start, end):
             return f"{start:.2f} → {end:.2f}" if start is not None and end is not None else "no curve"
-        row("1 · Fig. 2A (dynamic capacity, not in the figure)", "stt_dynamic",
+        row("1 · Fig. 2A (dynamic capacity, not in the figure)", dynamic,
             f"training LM loss first {FIRST_STEPS} → last {LAST_STEPS} steps: "
-            + ", ".join(pair(lm_start(r), lm_end(r)) for r in runs["stt_dynamic"])
+            + ", ".join(pair(lm_start(r), lm_end(r)) for r in runs[dynamic])
             + "; teacher's executed fraction: "
-            + ", ".join(pair(executed_start(r), executed_end(r)) for r in runs["stt_dynamic"]),
+            + ", ".join(pair(executed_start(r), executed_end(r)) for r in runs[dynamic]),
             "no verdict: its compute falls while it trains")
     # 2. comparable training rate: surprise routing's final training loss is not above MoD's
-    for name in ("sdt_50", "stt_50"):
-        difference("2 · Fig. 2A: surprise trains as well as MoD", name, "mod_50", lm_end, -1, no_worse=True)
+    for name in (sdt, stt):
+        difference("2 · Fig. 2A: surprise trains as well as MoD", name, mod, lm_end, -1, no_worse=True)
     # 3. the temporal prior predicts better than the spatial one, whatever its size
-    for prior in ("sdt_50", "sdt_50_prior0_25"):
-        difference("3 · Fig. 2B: TPN (STT) predicts better than PriorFFN (SDT), held-out D_ch/D_st", "stt_50", prior,
+    for prior in (sdt, role["larger_prior"]):
+        difference("3 · Fig. 2B: TPN (STT) predicts better than PriorFFN (SDT), held-out D_ch/D_st", stt, prior,
                    unexplained_share, -1)
     # 4. dynamic capacity falls with depth
-    single("4 · Fig. 2C: dynamic capacity falls with depth", "stt_dynamic", depth_slope, -1, " per layer")
+    single("4 · Fig. 2C: dynamic capacity falls with depth", dynamic, depth_slope, -1, " per layer")
     # 5. novelty first, prediction later
-    shifters = ["sdt_50", "stt_50"] + sorted(n for n, rs in runs.items() if rs[0].get("variant") in ("sdt", "stt")
-                                             and n not in ("sdt_50", "stt_50"))
+    shifters = [sdt, stt] + sorted(n for n, rs in runs.items() if rs[0].get("variant") in ("sdt", "stt")
+                                   and n not in (sdt, stt))
     for name in shifters:
-        claim = "5 · §5: CU first, CE later" + ("" if name in ("sdt_50", "stt_50") else " (other recipes)")
+        claim = "5 · §5: CU first, CE later" + ("" if name in (sdt, stt) else " (other recipes)")
         single(claim, name, ce_over_cu_shift, +1, " (CE − CU share, late − early)")
     # 6. causal-router agreement, STT vs SDT (answered either way)
-    if missing(("stt_50", "sdt_50")):
-        row("6 · router agreement, STT vs SDT", "stt_50 − sdt_50",
-            "not run yet: " + ", ".join(missing(("stt_50", "sdt_50"))), "inconclusive (0/3 seeds)")
+    if missing((stt, sdt)):
+        row("6 · router agreement, STT vs SDT", f"{stt} − {sdt}",
+            "not run yet: " + ", ".join(missing((stt, sdt))), "inconclusive (0/3 seeds)")
     else:
-        pd = targets.paired(per_seed(runs, "stt_50", mean_agreement), per_seed(runs, "sdt_50", mean_agreement))
-        row("6 · router agreement, STT vs SDT", "stt_50 − sdt_50 (held-out accuracy)", targets.fmt(pd),
+        pd = targets.paired(per_seed(runs, stt, mean_agreement), per_seed(runs, sdt, mean_agreement))
+        row("6 · router agreement, STT vs SDT", f"{stt} − {sdt} (held-out accuracy)", targets.fmt(pd),
             targets.which_wins(pd, below="SDT's causal router agrees more", above="STT's causal router agrees more",
                                pending="inconclusive"))
     # 7. a lightweight prior is sufficient: the larger one does not lower the student's loss
-    difference("7 · Table 2: lightweight PriorFFN suffices", "sdt_50_prior0_25", "sdt_50", heldout_student_loss,
+    difference("7 · Table 2: lightweight PriorFFN suffices", role["larger_prior"], sdt, heldout_student_loss,
                +1, no_worse=True)
     # 8. full fine-tuning beats LoRA
-    difference("8 · Table 2: full fine-tuning beats LoRA", "lora_stt_50", "stt_50", heldout_student_loss, +1)
+    difference("8 · Table 2: full fine-tuning beats LoRA", role["lora"], stt, heldout_student_loss, +1)
     # 9. every conditional-compute variant underperforms dense
-    for name in PAPER_VARIANTS:
-        difference("9 · Table 1: below dense", name, "dense", heldout_student_loss, +1)
+    for name in (role[r] for r in PAPER_VARIANTS):
+        difference("9 · Table 1: below dense", name, role["dense"], heldout_student_loss, +1)
     header = ["| claim | runs | numbers (mean ± se over seeds) | verdict |", "|---|---|---|---|"]
     return "\n".join(header + rows)
 

@@ -39,20 +39,23 @@ not carry the teacher's fractions. A last table puts every routed run against la
 
 import argparse
 import functools
-import importlib.util
 import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("study_driver", HERE.parent / "study.py")
-study = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(study)
+if str(HERE.parents[1]) not in sys.path:
+    sys.path.insert(0, str(HERE.parents[1]))  # run as a script: the checkout's experiments package
+
+from experiments import stats  # noqa: E402
+from experiments.evaluation import compute_summary  # noqa: E402
+from experiments.results import ROUTED_VARIANTS, load_results  # noqa: E402
 
 LEVELS = ("0.90", "0.81", "0.72")  # fractions of dense forward FLOPs
 TOLERANCE = 0.03
-ROUTED = study.ROUTED_VARIANTS  # the variants that route tokens (mod, sdt, stt): one list, the driver's
+ROUTED = ROUTED_VARIANTS  # the variants that route tokens (mod, sdt, stt): one list, the driver's
 SEEDS_NEEDED = 3
 
 
@@ -85,7 +88,7 @@ def teacher_flops_by_seed(results):
         executed = {int(layer): row["teacher/teacher_fraction"] for layer, row in (r.get("layers") or {}).items()
                     if row.get("teacher/teacher_fraction") is not None}
         if executed and r.get("config"):
-            out[r["seed"]] = study.compute_summary(r["config"], executed, r["heldout"]["seq_len"])["forward_flops_ratio"]
+            out[r["seed"]] = compute_summary(r["config"], executed, r["heldout"]["seq_len"])["forward_flops_ratio"]
     return out
 
 
@@ -94,7 +97,7 @@ def family_at(points, flops: float):
     that bracket ``flops``, the cheapest point's loss below them all, None above them all. Runs at the same FLOPs
     (the same dropped layers trained with and without distillation) give the family their lower loss: the
     strongest baseline there."""
-    points = study.lowest_at_equal_flops(points)
+    points = stats.lowest_at_equal_flops(points)
     if not points:
         return None
     if flops <= points[0][0]:
@@ -135,7 +138,7 @@ def matched(candidate, family, runs, losses, at=None):
 def paired(a, b):
     """Per-seed a − b over the seeds both have."""
     seeds = sorted(set(a) & set(b))
-    return study.paired_difference([a[s] - b[s] for s in seeds])
+    return stats.paired_difference([a[s] - b[s] for s in seeds])
 
 
 def lower_by_two_se(pd) -> bool:
@@ -169,7 +172,7 @@ def which_wins(pd, below: str = "surprise routing lower", above: str = "MoD lowe
 
 def targets_table(out_dir: Path) -> str:
     """The Markdown table of every target on the run JSONs under ``out_dir/runs``."""
-    _, runs = study.load_results(out_dir)
+    _, runs = load_results(out_dir)
     losses = {name: by_seed(results) for name, results in runs.items()}
     teacher_losses = {name: by_seed(results, "teacher_loss") for name, results in runs.items()}
     variant = {name: results[0]["variant"] for name, results in runs.items()}

@@ -1,0 +1,232 @@
+"""The study page: ``aggregate`` writes ``<out_dir>/README.md`` and its figures from the run JSONs present.
+
+The page holds a table of every run (mean ± std over the seeds present, "partial" where a run has fewer seeds than
+the study or none), paired differences run − baseline per seed with a t-interval, the test-set table (paired by
+seed and by window, bootstrap interval) where runs were scored on one, the figures (:mod:`experiments.plots`), the
+papers' claims table with ``claims.png`` (predictor loss PriorFFN vs TPN, STT dynamic capacity per layer, CE/CU
+shares of the teacher's choices over training, teacher–student agreement STT vs SDT; the verdicts, which need
+three seeds, are ``experiments/frontier/claims.py``'s), and links to the run files.
+"""
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from experiments.plots import TITLES, claims_plot, dynamic_runs, make_plots, surprise_runs
+from experiments.results import (METRIC, METRICS, Results, layer_mean_curve, layer_values, load_results, mean_curve,
+                                 unexplained_update_share)
+from experiments.spec import run_id
+from experiments.stats import finite, paired_difference, seed_window_bootstrap, slope
+from experiments.training import stale_keys
+
+
+def fmt_mean_std(values: Sequence[Optional[float]], digits: int) -> str:
+    """``mean ± std`` of the finite values (one value alone, "–" for none)."""
+    values = finite(values)
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def test_section(order: List[str], runs: Results, baselines: List[str], resamples: int = 2000) -> List[str]:
+    """The test-set table (runs scored on the study's ``test`` windows), or nothing when no run was."""
+    scored = {n: [r for r in runs.get(n, []) if r.get("test")] for n in order}
+    scored = {n: rs for n, rs in scored.items() if rs}
+    if not scored:
+        return []
+    first = next(iter(scored.values()))[0]["test"]
+    lines = ["## Test set", "",
+             f"Student loss per token on {first['windows']} windows × {first['seq_len']} tokens "
+             f"({first['placement']} over `{Path(first['file']).name}`), works that no choice of this study looked at; "
+             "each finished run is scored once. Δ = run − baseline, averaged over the seeds both have; 95 % interval "
+             f"from {resamples} bootstrap resamples of seeds (paired by seed) and windows (paired by window).", ""]
+    header = ["run", "seeds", "test loss"] + [f"Δ vs `{b}` | 95 % CI" for b in baselines]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * (3 + 2 * len(baselines)))
+    for n, results in scored.items():
+        cells = [f"`{n}`", str(len(results)), fmt_mean_std([r["test"]["student_loss"] for r in results], 3)]
+        for base in baselines:
+            base_by_seed = {r["seed"]: r["test"] for r in scored.get(base, [])}
+            pairs = [(r["test"]["window_losses"], base_by_seed[r["seed"]]["window_losses"]) for r in results
+                     if r["seed"] in base_by_seed and n != base]
+            if not pairs:
+                cells += ["–", "–"]
+                continue
+            boot = seed_window_bootstrap(pairs, resamples=resamples, seed=0)
+            cells += [f"{boot['mean']:+.3f} (n {boot['n_seeds']})",
+                      f"[{boot['interval'][0]:+.3f}, {boot['interval'][1]:+.3f}]"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def paired_section(base: str, order: List[str], runs: Results) -> List[str]:
+    """The table of per-seed differences run − ``base`` (student loss, MC accuracy, FLOPs) with t-intervals."""
+    paired_metrics = [("student loss", "Δ student loss"), ("MC acc", "Δ MC acc"), ("fwd FLOPs ratio", "Δ FLOPs ratio")]
+    lines = [f"## Paired differences against `{base}`", "",
+             "Per seed: run − baseline on the same seed (same data order and routing initialisation); mean, "
+             "standard error and 95 % interval from Student's t with n − 1 degrees of freedom (n = seeds both have).", ""]
+    lines.append("| run | n | " + " | ".join(f"{label} mean | SE | 95 % CI" for _, label in paired_metrics) + " |")
+    lines.append("|" + "---|" * (2 + 3 * len(paired_metrics)))
+    base_by_seed = {r["seed"]: r for r in runs.get(base, [])}
+    unpaired = []
+    for n in order:
+        if n == base:
+            continue
+        cells = [f"`{n}`"]
+        pairs = [(r, base_by_seed[r["seed"]]) for r in runs.get(n, []) if r["seed"] in base_by_seed]
+        if not pairs:
+            unpaired.append(f"`{n}`")
+            continue
+        cells.append(str(len(pairs)))
+        for metric, _ in paired_metrics:
+            fn = METRIC[metric]
+            diffs = [fn(a) - fn(b) for a, b in pairs if fn(a) is not None and fn(b) is not None]
+            pd = paired_difference(diffs)
+            if pd["mean"] is None:
+                cells += ["–", "–", "–"]
+                continue
+            cells.append(f"{pd['mean']:+.3f}")
+            cells.append("–" if pd["se"] is None else f"{pd['se']:.3f}")
+            cells.append("– (n < 2)" if pd["ci95"] is None else f"[{pd['ci95'][0]:+.3f}, {pd['ci95'][1]:+.3f}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    if not base_by_seed:
+        lines += [f"Baseline `{base}` has no finished seed yet: no pairs.", ""]
+    elif unpaired:
+        lines += [f"No seed paired with `{base}` yet: {', '.join(unpaired)}.", ""]
+    return lines
+
+
+def claims_section(names: List[str], runs: Results, plotted: Optional[List[str]] = None) -> List[str]:
+    """The papers' claims table: per SDT/STT run its predictor loss over training, the held-out share of the update
+    its predictor leaves unexplained, the CE/CU shares of its teacher's choices early → late, its agreement; and
+    for each dynamic-capacity run that ``claims.png`` draws (``plotted``, None: all), its executed fraction per
+    layer with its slope over depth."""
+    surprise = surprise_runs(names, runs)
+    drawn = set(names if plotted is None else plotted)
+    lines = ["## The papers' claims", "",
+             "| run | variant | seeds | predictor loss first → last | update share unexplained (held-out D_ch/D_st) "
+             "| CE share first → last | CU share first → last | agreement (held-out) |", "|---|---|---|---|---|---|---|---|"]
+    for n in surprise:
+        rs = runs[n]
+        _, pred = mean_curve(rs, "loss/pred")
+        _, ce = layer_mean_curve(rs, "teacher_ce_share")
+        _, cu = layer_mean_curve(rs, "teacher_cu_share")
+        agreement = layer_values(rs, "teacher/agreement_accuracy")
+        fmt = lambda v: f"{v[0]:.3g} → {v[-1]:.3g}" if v else "–"  # noqa: E731
+        mean_agreement = f"{statistics.fmean(agreement.values()):.3f}" if agreement else "–"
+        unexplained = unexplained_update_share(rs)
+        unexplained = "–" if unexplained is None else f"{unexplained:.3f}"
+        lines.append(f"| {n} | {rs[0]['variant']} | {len(rs)} | {fmt(pred)} | {unexplained} | {fmt(ce)} | {fmt(cu)} "
+                     f"| {mean_agreement} |")
+    for n in dynamic_runs(names, runs):
+        fractions = layer_values(runs[n], "teacher/teacher_fraction")
+        if fractions and n in drawn:
+            fitted = slope([float(l) for l in fractions], list(fractions.values()))
+            lines += ["", f"Dynamic capacity (`{n}`, held-out, teacher g ≥ g_th): per layer "
+                      + ", ".join(f"{l}: {v:.2f}" for l, v in fractions.items())
+                      + (f"; least-squares slope {fitted:+.4f} per layer (negative = falls with depth)."
+                         if fitted is not None else ".")]
+    if not surprise:
+        lines.append("| (no SDT/STT run yet) | | | | | | | |")
+    return lines + ["", "![claims.png](claims.png)", ""]
+
+
+def aggregate(out_dir: Path) -> Path:
+    """Write ``<out_dir>/README.md`` and the plots from the run JSONs present (a partial study is fine)."""
+    out_dir = Path(out_dir)
+    spec, runs = load_results(out_dir)
+    stale_lines = []
+    for run_spec in spec.get("runs", []):
+        if run_spec["name"] not in runs or not Path(run_spec["config"]).is_file():
+            continue
+        current = []
+        for result in runs[run_spec["name"]]:
+            keys = stale_keys(spec, run_spec, result)
+            current.append(result) if not keys else stale_lines.append(
+                f"- `{run_id(result['name'], result['seed'])}`: trained with other {', '.join(keys)} than the study now defines")
+        runs[run_spec["name"]] = current
+    runs = {n: rs for n, rs in runs.items() if rs}
+    expected_names = [r["name"] for r in spec.get("runs", [])]
+    order = expected_names + sorted(n for n in runs if n not in expected_names)
+    expected_seeds = [int(s) for s in spec.get("seeds", [])]
+    baselines = [b for b in spec.get("baselines", [])]
+    name = spec.get("name") or next((r["study"] for rs in runs.values() for r in rs), out_dir.name)
+    dense_names = [n for n in order if runs.get(n) and all(r.get("variant") == "dense" for r in runs[n])]
+
+    missing_lines = []
+    status = {}
+    for n in order:
+        seeds = [r["seed"] for r in runs.get(n, [])]
+        lacking = [s for s in expected_seeds if s not in seeds]
+        if not seeds:
+            status[n] = "none (missing)"
+            missing_lines.append(f"- `{n}`: no seed finished (expected {expected_seeds})")
+        elif lacking:
+            status[n] = f"{len(seeds)}/{len(expected_seeds)} (partial)"
+            missing_lines.append(f"- `{n}`: seeds {lacking} missing (have {seeds})")
+        else:
+            status[n] = f"{len(seeds)}" + (f"/{len(expected_seeds)}" if expected_seeds else "")
+    partial = bool(missing_lines)
+
+    lines = [f"# Study `{name}`", ""]
+    lines.append("Written by `python experiments/study.py aggregate` from the run JSONs in `runs/` "
+                 f"({sum(len(v) for v in runs.values())} files).")
+    if spec.get("source"):
+        lines.append(f"Study file: `{os.path.relpath(spec['source'], out_dir) if os.path.isabs(spec['source']) else spec['source']}`.")
+    lines.append("")
+    if not spec:
+        lines += ["No `study.json` here (written by `run`): the expected runs and seeds are unknown, the tables show "
+                  "the run files present.", ""]
+    elif partial:
+        lines += ["**PARTIAL STUDY** — missing:", "", *missing_lines, ""]
+    else:
+        lines += ["Complete: every run has every seed of the study.", ""]
+    if stale_lines:
+        lines += ["**Stale results, left out of every table** (the study file or a config changed after they "
+                  "finished; `study.py run --rerun-stale` retrains them):", "", *stale_lines, ""]
+    budget = spec.get("budget")
+    heldout = spec.get("heldout") or {}
+    if budget is not None:
+        lines.append(f"Budget (every run): `{json.dumps(budget)}`; seeds {expected_seeds}; held-out "
+                     f"{heldout.get('windows')} windows × {heldout.get('seq_len')} tokens.")
+        lines.append("")
+
+    lines += ["## Runs", "",
+              "Mean ± std over the seeds present. FLOPs and KV ratios: closed form per token against the dense model of the "
+              "same shape at the held-out length, with the student's executed fraction measured on the held-out windows; "
+              "losses per token on the held-out windows (student = deployed causal routing; teacher = β at the schedule's "
+              "end); MC acc = mean `acc` of the eleuther_eval tasks; executed = mean over routed layers.", ""]
+    header = ["run", "seeds"] + [h for h, _, _ in METRICS]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    for n in order:
+        results = runs.get(n, [])
+        cells = [f"`{n}`", status[n]] + [fmt_mean_std([fn(r) for r in results], d) for _, fn, d in METRICS]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+
+    for base in baselines:
+        lines += paired_section(base, order, runs)
+
+    lines += test_section(order, runs, baselines)
+    plots = make_plots(out_dir, order, runs, dense_names)
+    lines += ["## Plots", ""]
+    for plot in plots:
+        lines += [f"### {TITLES[plot]}", "", f"![{plot}]({plot})", ""]
+    names = [n for n in order if runs.get(n)]
+    claims_plot(out_dir, names, runs, spec.get("claims_runs"))
+    lines += claims_section(names, runs, spec.get("claims_runs"))
+    lines += ["## Run files", ""]
+    for n in order:
+        files = ", ".join(f"[seed {r['seed']}](runs/{run_id(n, r['seed'])}.json)" for r in runs.get(n, []))
+        lines.append(f"- `{n}`: {files or 'none yet'}")
+    lines.append("")
+    readme = out_dir / "README.md"
+    readme.write_text("\n".join(lines))
+    print(f"== wrote {readme} and {', '.join(plots)}", flush=True)
+    return readme

@@ -1,0 +1,151 @@
+"""The study file: what a study trains, read, validated and made absolute (``load_study``).
+
+Study file (YAML)
+-----------------
+::
+
+    name: frontier_135m
+    out_dir: experiments/frontier_135m                 # results: <out_dir>/runs/<run>__seed<k>.json, README.md, *.png
+    work_dir: quickstart_work/studies/frontier_135m    # checkpoints, logs, eval configs (git-ignored)
+    seeds: [0, 1, 2]
+    budget: {max_steps_per_epoch: 100, batch_size: 4}  # config overrides applied to every run (same budget)
+    validation_points: 4                               # optional (default 4): validation + checkpoint this often
+    keep_checkpoints: true                             # optional (default true); false deletes a run's epoch_0
+                                                       # once its JSON is written (135M: ~1.6 GB with the optimizer)
+    heldout: {file: quickstart_work/corpus/heldout.jsonl, windows: 16, seq_len: 256, batch_size: 4}
+    test: {file: quickstart_work/corpus/test.jsonl, windows: 64, seq_len: 256, spread: true}   # optional: scored
+                                                       # once per finished run, never by a choice
+    eleuther:                                          # or null to skip the stock eleuther_eval step
+      config: configs/quickstart/eval_stt_smollm2.yaml # template: every eval key but model/tokenizer/checkpointer
+      include_path: quickstart_work/corpus/lm_eval_tasks   # optional; default: the template's, relative to cwd
+      cwd: .                                           # optional: where `tune run eleuther_eval` runs (task data paths)
+      tasks: [heldout_next_sentence]                   # optional: default the template's
+      limit: 100                                       # optional: default the template's
+    baselines: [dense]                                 # run names every other run is paired against
+    claims_runs: [stt_papers]                          # optional: the runs claims.png draws (default: every SDT/STT
+                                                       # run; a study of many recipes names the papers' setting)
+    claims: {stt: stt_papers}                          # optional: run names by role for experiments/frontier/claims.py
+    runs:
+      - name: dense
+        config: configs/quickstart/dense_smollm2.yaml
+        overrides: {}                                  # dotted key: value, passed to `tune run` as key=value
+      - name: stt_papers
+        config: configs/quickstart/stt_smollm2.yaml
+        overrides: {model.gate: scaled, model.routed_layers: every_other}
+
+A run may instead be composed from named parts (configs, techniques, a placement planned on a measured layer
+ranking) and take its name from them: see :mod:`experiments.parts`. Either way a run resolves to ``{name, config,
+overrides}``, which is what the driver trains and ``study.json`` records.
+
+A run's overrides may not touch a budget key (every run trains on the same budget). A study that repeats another's
+runs at another budget or on another machine names them instead of copying them (``runs_from``; the list ``runs``,
+if present, adds runs of its own after them)::
+
+    runs_from: {study: experiments/frontier/study.yaml, names: [dense, layerdrop_4_distill_bias]}
+"""
+
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from experiments import StudyError
+
+
+def run_id(name: str, seed: int) -> str:
+    """The file and folder name of one (run, seed): ``<run>__seed<k>``."""
+    return f"{name}__seed{seed}"
+
+
+def _runs_from(source: Any, root: Path, path: Path) -> List[Dict[str, Any]]:
+    """``runs_from: {study: other.yaml, names: [...]}``: those runs of another study, definitions and all, so that
+    a study at another budget trains exactly what the first one did (the copies cannot drift apart)."""
+    if not isinstance(source, dict) or set(source) != {"study", "names"} or not source["names"]:
+        raise StudyError(f"{path}: runs_from needs exactly {{study: PATH, names: [RUN, ...]}}, got {source!r}")
+    other = root / source["study"]
+    if not other.is_file():
+        raise StudyError(f"{path}: runs_from study {str(other)!r} does not exist")
+    defined = {run["name"]: run for run in load_study(other, root)["runs"]}  # validated as a study of its own
+    unknown = [name for name in source["names"] if name not in defined]
+    if unknown:
+        raise StudyError(f"{path}: runs_from names {unknown} are not runs of {source['study']}")
+    return [defined[name] for name in source["names"]]
+
+
+def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
+    """The study as a plain dict, its runs resolved from their parts and paths made absolute against ``root``
+    (default: the working directory). The keys keep the file's order (``study.json`` is this dict), the parts
+    sections are consumed, and ``_root`` / ``_source`` say where it was read."""
+    from omegaconf import OmegaConf
+
+    from experiments.parts import resolve_runs
+
+    root = Path(root or Path.cwd()).resolve()
+    study = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    required = ("name", "out_dir", "work_dir", "seeds") + (() if "runs_from" in study else ("runs",))
+    problems = [f"missing key {key!r}" for key in required if key not in study]
+    if problems:
+        raise StudyError(f"{path}: " + "; ".join(problems))
+    resolved = resolve_runs(study, Path(path), root)  # takes the parts sections out of ``study``
+    if "runs" in study:
+        study["runs"] = resolved
+    if "runs_from" in study:
+        study["runs"] = _runs_from(study.pop("runs_from"), root, path) + list(study.get("runs") or [])
+    study.setdefault("budget", {})
+    study.setdefault("baselines", [])
+    study.setdefault("claims_runs", None)
+    study.setdefault("eleuther", None)
+    study.setdefault("validation_points", 4)
+    study.setdefault("keep_checkpoints", True)
+    if "heldout" not in study or not study["heldout"]:
+        raise StudyError(f"{path}: missing heldout: {{file, windows, seq_len}}")
+    absolute = lambda p: str((root / p).resolve()) if p is not None else None  # noqa: E731
+    study["out_dir"], study["work_dir"] = absolute(study["out_dir"]), absolute(study["work_dir"])
+    study["heldout"] = {"batch_size": 4, **study["heldout"], "file": absolute(study["heldout"]["file"])}
+    if study.get("test"):  # optional (a study without one writes the study.json it always wrote)
+        test = dict(study["test"])
+        missing = [key for key in ("file", "windows", "seq_len", "spread") if key not in test]
+        if missing:
+            raise StudyError(f"{path}: test needs {{file, windows, seq_len, spread}}; missing {missing}")
+        if Path(absolute(test["file"])) == Path(study["heldout"]["file"]):
+            raise StudyError(f"{path}: test file {test['file']!r} is the held-out (validation) file; a test set must "
+                             "be text no choice has looked at")
+        study["test"] = {"batch_size": 4, **test, "file": absolute(test["file"])}
+    if study["eleuther"]:
+        el = dict(study["eleuther"])
+        el["config"] = absolute(el["config"])
+        el["cwd"] = absolute(el.get("cwd") or ".")
+        if el.get("include_path") is not None:
+            el["include_path"] = absolute(el["include_path"])
+        study["eleuther"] = el
+    names = [run.get("name") for run in study["runs"]]
+    if any(not isinstance(n, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", n) for n in names):
+        problems.append(f"every run needs a name of letters, digits, '_', '.', '-': {names}")
+    if len(set(names)) != len(names):
+        problems.append(f"run names repeat: {names}")
+    for run in study["runs"]:
+        run.setdefault("overrides", {})
+        run["overrides"] = dict(run["overrides"] or {})
+        if "config" not in run:
+            problems.append(f"run {run.get('name')!r} has no config")
+            continue
+        run["config"] = absolute(run["config"])
+        clash = sorted(set(run["overrides"]) & set(study["budget"]))
+        if clash:
+            problems.append(f"run {run['name']!r} overrides budget key(s) {clash}: every run has the same budget")
+    unknown = sorted(set(study["baselines"]) - set(names))
+    if unknown:
+        problems.append(f"baselines {unknown} are not run names")
+    unknown = sorted(set(study["claims_runs"] or []) - set(names))
+    if unknown:
+        problems.append(f"claims_runs {unknown} are not run names")
+    if "claims" in study:
+        claims = study["claims"]
+        if not isinstance(claims, dict) or not all(isinstance(v, str) for v in claims.values()):
+            problems.append(f"claims must map roles to run names, got {claims!r}")
+        elif sorted(set(claims.values()) - set(names)):
+            problems.append(f"claims {sorted(set(claims.values()) - set(names))} are not run names")
+    if problems:
+        raise StudyError(f"{path}: " + "; ".join(problems))
+    study["_root"] = str(root)
+    study["_source"] = str(Path(path).resolve())
+    return study
