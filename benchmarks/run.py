@@ -474,7 +474,7 @@ def restore_caches(model, snapshot, batch: int, max_len: int) -> None:
                 buf = buf.narrow(entry_dim, 0, src.shape[entry_dim])
             buf.copy_(src)  # broadcasts the single row over the batch
         if selective:
-            cache._fill_bound = int(cache.fill.max())  # the copied rows' fill, as the cache's host-side bound
+            cache.sync_fill_bound()  # the copied rows' fill, as the cache's host-side bound
 
 
 def kv_accounting(model, records, shape: cf.ModelShape, context: int) -> Dict:

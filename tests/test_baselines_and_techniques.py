@@ -586,7 +586,7 @@ def test_distillation_weight_zero_builds_no_teacher(workdir):
 
 
 def test_missing_capacity_curriculum_and_distillation_keys_are_named():
-    from torchtune_dtf.recipes.routed_finetune import validate_recipe_config
+    from torchtune_dtf.training.recipe_checks import validate_recipe_config
 
     cfg = load_config("stt_train")
     del cfg["capacity_curriculum"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from torchtune_dtf import closed_form as cf
+from torchtune_dtf.models.model_config import ARCH_KEYS
 from benchmarks import run as bench
 from benchmarks.common import build_dense, build_like, categorize_flops, flop_counter, routing_for, shapes_for
 from torchtune_dtf.modules import RoutedSelfAttentionLayer
@@ -278,7 +279,7 @@ def test_shapes_read_from_shipped_configs_equal_the_named_shapes():
     assert (rshape.router_inputs, rshape.router_hidden, rshape.predictor_width) == (2, 64, 36)
     # the config turns every technique option off
     assert (rshape.dropped_layers, rshape.skipped_tokens_write_kv, rshape.skip_update) == ((), False, "none")
-    routing = {k: v for k, v in model.items() if k not in cf.ARCH_KEYS}
+    routing = {k: v for k, v in model.items() if k not in ARCH_KEYS}
     assert cf.routing_shape("stt", 30, 576, routing) == rshape
     tiny = OmegaConf.to_container(OmegaConf.load(repo / "configs/tiny/mod_train.yaml").model)
     assert cf.model_shape_from_config(tiny) == cf.model_shape("tiny", vocab_size=151936)

@@ -8,7 +8,7 @@ from tests.conftest import VOCAB, build_tiny, routing_kwargs, tiny_architecture
 from tests.test_recipe import load_config, read_log, run_recipe, workdir, train_assets  # noqa: F401
 from torchtune_dtf.models import qwen2_5
 from torchtune_dtf.modules import RoutingContext
-from torchtune_dtf.recipes.routed_finetune import validate_recipe_config
+from torchtune_dtf.training.recipe_checks import validate_recipe_config
 from torchtune_dtf.training.calibration import (
     calibratable_layers,
     calibrate_student_routers,

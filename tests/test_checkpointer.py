@@ -15,7 +15,7 @@ from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 
 from tests.conftest import MAX_SEQ_LEN, MOD_ROUTING, SURPRISE_ROUTING, VOCAB, tiny_architecture
 from torchtune_dtf.evaluation.routing_report import load_trained
-from torchtune_dtf.models.qwen2_5 import merged_model_config
+from torchtune_dtf.models.model_config import merged_model_config
 from torchtune_dtf.models.routing_config import with_keys_added_later
 from torchtune_dtf.modules import RoutingContext, is_routing_key
 from torchtune_dtf.training import ROUTING_WEIGHTS_FNAME, RoutedHFCheckpointer, routed_adapter_state_dict

@@ -23,7 +23,7 @@ def test_block_influence_equals_one_minus_cosine_of_hugging_face_hidden_states(w
     from transformers import Qwen2ForCausalLM
 
     from torchtune_dtf.evaluation.routing_report import load_trained
-    from torchtune_dtf.models.qwen2_5 import dense_model_config
+    from torchtune_dtf.models.model_config import dense_model_config
 
     cfg = load_config("stt_train")
     OmegaConf.update(cfg, "model", dense_model_config(OmegaConf.to_container(cfg.model)), merge=False)

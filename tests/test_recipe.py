@@ -17,7 +17,8 @@ from torchtune import config as tt_config
 from tests.conftest import ROUTED_VARIANTS
 from torchtune_dtf.offline.tokenizer_assets import write_qwen2_5_tokenizer_files
 from torchtune_dtf.modules import RoutingContext
-from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe, validate_recipe_config
+from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe
+from torchtune_dtf.training.recipe_checks import validate_recipe_config
 from torchtune_dtf.training.schedules import BetaSchedule, LossWeights
 
 REPO = Path(__file__).resolve().parents[1]

@@ -47,7 +47,7 @@ Variants and technique options (model config keys; an absent key means the behav
 """
 
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -511,83 +511,64 @@ def model_shape(size: str, vocab_size: Optional[int] = None) -> ModelShape:
     return ModelShape.from_architecture({**s, "vocab_size": vocab_size})
 
 
-#: Model-config keys that describe the architecture (or LoRA), not the routing.
-ARCH_KEYS = ("_component_", "variant", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "embed_dim",
-             "intermediate_dim", "max_seq_len", "attn_dropout", "norm_eps", "rope_base", "tie_word_embeddings")
-LORA_KEYS = ("lora_attn_modules", "apply_lora_to_mlp", "lora_rank", "lora_alpha", "lora_dropout", "use_dora",
-             "quantize_base")
-#: Technique keys read here with their meaning when absent (today's behaviour).
-OPTION_DEFAULTS = {"dropped_layers": (), "skipped_tokens_write_kv": False, "skip_update": "none"}
-
-
 def variant_of_model_config(model: Mapping) -> str:
-    """``variant:`` of the component builders, else the builder's name (``stt_qwen2_5_tiny``, ``lora_mod_…``)."""
-    if model.get("variant") is not None:
-        return str(model["variant"])
-    builder = str(model["_component_"]).rsplit(".", 1)[-1]
-    return builder.removeprefix("lora_").split("_", 1)[0]
+    """The variant a recipe's ``model`` section builds (:func:`torchtune_dtf.models.model_config.model_variant`)."""
+    from torchtune_dtf.models.model_config import model_variant
+
+    return model_variant(model)
 
 
 def model_shape_from_config(model: Mapping) -> ModelShape:
     """:class:`ModelShape` of a recipe's ``model`` section: the architecture keys of ``routed_qwen2`` configs,
-    else the size named by a ``{variant}_qwen2_5_{size}`` builder (``vocab_size`` as the config gives it)."""
-    if "num_layers" in model:
-        return ModelShape.from_architecture(model)
-    builder = str(model["_component_"]).rsplit(".", 1)[-1]
-    if "_qwen2_5_" not in builder:
-        raise ValueError(f"cannot tell the architecture of model component {model['_component_']!r}")
-    size = builder.split("_qwen2_5_", 1)[1]
-    vocab = model.get("vocab_size")
-    return model_shape(size, vocab_size=int(vocab) if vocab is not None else None)
+    else the size of its ``{variant}_qwen2_5_{size}`` builder (``vocab_size`` as the config gives it;
+    :data:`TINY_ARGS`'s for a tiny section without one)."""
+    from torchtune_dtf.models.model_config import architecture
 
-
-def _resolve_layers(value, num_layers: int) -> Tuple[int, ...]:
-    from torchtune_dtf.models.routing_config import PLACEMENTS
-
-    if isinstance(value, str):
-        if value not in PLACEMENTS:
-            raise ValueError(f"unknown routed_layers placement {value!r}; known: {sorted(PLACEMENTS)}")
-        return tuple(PLACEMENTS[value](num_layers))
-    return tuple(sorted(int(i) for i in value))
+    arch = architecture(model)
+    arch.setdefault("vocab_size", TINY_ARGS["vocab_size"])  # only the tiny shape has none of its own
+    return ModelShape.from_architecture(arch)
 
 
 def routing_shape_from_model_config(model: Mapping, num_layers: int, embed_dim: int) -> RoutingShape:
     """:class:`RoutingShape` of a recipe's ``model`` section, for every variant and technique option the closed
-    form knows (module docstring), including keys the model validator may not know yet; absent option keys mean
-    today's behaviour. Values are not validated here (the model builder does that when it builds)."""
-    from torchtune_dtf.models.routing_config import capacity_per_layer
+    form knows (module docstring).
+
+    The routing arguments are read as the model builder reads them (``routing_config.validate_routing`` resolves
+    placements and capacities and checks every value given), with the keys saved configs predate completed as
+    the builder completes them (``KEYS_ADDED_LATER``). Unlike the builder (``for_builder=False``), the closed form
+    takes a partial section, where keys the cost does not depend on may be absent and an absent technique key (K/V
+    kept, skip update) counts as off, and costs shapes the builder refuses (a planner candidate routing no layer,
+    ``skip_update: predicted`` on SDT, whose PriorFFN would give the forecast; on MoD and random it costs nothing).
+    """
+    from torchtune_dtf.models.model_config import model_variant, routing_arguments
+    from torchtune_dtf.models.routing_config import validate_routing, with_keys_added_later
+
+    variant = model_variant(model)
+    routing = with_keys_added_later({"variant": variant, **routing_arguments(model)})
+    del routing["variant"]
+    if variant not in ("dense", "layerdrop") and "routed_layers" not in routing:
+        raise ValueError(f"model config of variant {variant!r} has no routed_layers")
+    return _routing_shape_of(validate_routing(variant, num_layers, for_builder=False, **routing), embed_dim)
+
+
+def _routing_shape_of(spec, embed_dim: int) -> RoutingShape:
+    """:class:`RoutingShape` of a resolved ``routing_config.RoutingSpec``."""
     from torchtune_dtf.modules.predictors import predictor_width
 
-    variant = variant_of_model_config(model)
-    routing = {k: v for k, v in model.items() if k not in ARCH_KEYS and k not in LORA_KEYS}
-    options = {k: routing.pop(k, default) for k, default in OPTION_DEFAULTS.items()}
-    dropped = tuple(sorted(int(i) for i in (options["dropped_layers"] or ())))
-    common = dict(dropped_layers=dropped, skipped_tokens_write_kv=bool(options["skipped_tokens_write_kv"]),
-                  skip_update=str(options["skip_update"] or "none"))
-    if variant in ("dense", "layerdrop") or "routed_layers" not in routing:
-        if variant not in ("dense", "layerdrop"):
-            raise ValueError(f"model config of variant {variant!r} has no routed_layers")
+    variant = spec.variant
+    common = dict(dropped_layers=tuple(spec.dropped_layers), skipped_tokens_write_kv=bool(spec.skipped_tokens_write_kv),
+                  skip_update=spec.skip_update or "none")
+    if variant in ("dense", "layerdrop"):
         return RoutingShape(variant=variant, **common)
-    layers = _resolve_layers(routing["routed_layers"], num_layers)
-    capacity = routing["capacity"]
-    if isinstance(capacity, (int, float)):
-        capacities = (float(capacity),) * len(layers)
-    else:
-        capacities = tuple(float(c) for c in capacity)
-        if len(capacities) == 1:
-            capacities = capacities * len(layers)
-    if len(capacities) != len(layers):
-        raise ValueError(f"capacity lists {len(capacities)} values for {len(layers)} routed layers")
-    capacities = tuple(capacity_per_layer(routing["routed_layers"], layers, capacities))
     has_router = variant in ("mod", "sdt", "stt")
     return RoutingShape(
         variant=variant,
-        routed_layers=layers,
-        capacity=capacities,
-        router_hidden=int(routing["causal_router_hidden_dim"]) if has_router else 0,
-        router_inputs=2 if routing.get("causal_router_input") == "current_previous" else 1,
-        predictor_width=predictor_width(routing["prior_factor"], embed_dim) if variant in ("sdt", "stt") else 0,
-        mod_router_at_inference=routing.get("gate", "scaled") == "scaled",
+        routed_layers=tuple(spec.routed_layers),
+        capacity=tuple(spec.capacity),
+        router_hidden=int(spec.causal_router_hidden_dim) if has_router else 0,
+        router_inputs=2 if spec.causal_router_input == "current_previous" else 1,
+        predictor_width=predictor_width(spec.prior_factor, embed_dim) if variant in ("sdt", "stt") else 0,
+        mod_router_at_inference=spec.gate != "straight_through",
         **common,
     )
 
@@ -599,14 +580,13 @@ def model_config_flop_ratio(model: Mapping, seq_len: int) -> float:
 
 
 def routing_shape(variant: str, num_layers: int, embed_dim: int, routing: Dict) -> RoutingShape:
-    """:class:`RoutingShape` from a builder's routing kwargs, checked by the package's own validator first."""
+    """:class:`RoutingShape` from a builder's routing kwargs, checked by the package's own validator (every key
+    required, as the builder requires them)."""
     if variant == "dense":
         return RoutingShape.dense()
     from torchtune_dtf.models.routing_config import validate_routing
 
-    spec = validate_routing(variant, num_layers, **routing)
-    resolved = {**routing, "routed_layers": list(spec.routed_layers), "capacity": list(spec.capacity)}
-    return routing_shape_from_model_config({**resolved, "variant": variant}, num_layers, embed_dim)
+    return _routing_shape_of(validate_routing(variant, num_layers, **routing), embed_dim)
 
 
 def every_other(shape: ModelShape, variant: str, gamma: float, *, router_hidden: int = 256, router_inputs: int = 1,

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
 from torchtune_dtf import closed_form
+from torchtune_dtf.models.model_config import model_variant
 from torchtune_dtf.evaluation.routing_report import command_line_overrides, load_config, load_trained, trained_model_config
 from torchtune_dtf.modules import DroppedLayer, is_routing_key
 from torchtune_dtf.training.checkpointer import hf_weight_files
@@ -218,7 +219,7 @@ def model_card(*, config_path: str, checkpoint_dir: Path, model_cfg: Mapping[str
                dropped: List[int], flop_ratio: Optional[float], notes: Optional[str],
                provenance: Optional[Mapping[str, Any]] = None) -> str:
     """The exported folder's ``README.md``: what the model is, how it was made and how to load it."""
-    variant = model_cfg.get("variant", str(model_cfg["_component_"]).rsplit(".", 1)[-1])
+    variant = model_variant(model_cfg)
     lines = [
         "---", "library_name: transformers", "tags: [torchtune_dtf, conditional-compute, routed]" if routed else
         "tags: [torchtune_dtf, layer-dropping]", "---", "",

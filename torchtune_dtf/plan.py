@@ -212,7 +212,7 @@ def _measure(cfg: DictConfig, data: Path, windows: int, seq_len: int) -> List[fl
     from torchtune import config
 
     from torchtune_dtf.evaluation.routing_report import heldout_windows, load_trained
-    from torchtune_dtf.models.qwen2_5 import dense_model_config
+    from torchtune_dtf.models.model_config import dense_model_config
 
     dense_cfg = cfg.copy()
     OmegaConf.update(dense_cfg, "model", dense_model_config(OmegaConf.to_container(cfg.model, resolve=True)), merge=False)

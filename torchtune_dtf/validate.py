@@ -18,7 +18,8 @@ from typing import List, Optional
 from omegaconf import OmegaConf
 from torchtune.config._utils import _get_component_from_path
 
-from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe, merge_overrides
+from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe
+from torchtune_dtf.recipes.stock import merge_overrides
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -46,7 +46,7 @@ from torchtune.config._utils import _merge_yaml_and_cli_args
 
 from torchtune_dtf import closed_form
 from torchtune_dtf.evaluation import side_by_side
-from torchtune_dtf.models.qwen2_5 import merged_model_config
+from torchtune_dtf.models.model_config import merged_model_config
 from torchtune_dtf.models.routing_config import with_keys_added_later
 from torchtune_dtf.modules.routing_context import RoutingContext
 from torchtune_dtf.training.checkpointer import hf_weight_files

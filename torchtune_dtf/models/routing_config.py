@@ -160,12 +160,17 @@ def capacity_per_layer(routed_layers: Placement, layers: Sequence[int], capaciti
     return [float(capacity_of[i]) for i in layers]
 
 
-def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSpec:
+def validate_routing(variant: str, num_layers: int, *, for_builder: bool = True, **routing: Any) -> RoutingSpec:
     """Check a variant's routing hyperparameters and resolve them.
 
     Args:
-        variant (str): one of ``dense``, ``mod``, ``sdt``, ``stt``.
+        variant (str): one of ``VARIANTS``.
         num_layers (int): number of decoder layers of the model.
+        for_builder (bool): True checks what a builder needs: every key present, and only combinations it can
+            build. False resolves what the closed-form FLOPs read: a partial set (keys the cost does not depend on
+            may be absent; the spec holds None for them), and shapes the builder refuses but the cost is defined
+            for (a planner candidate that routes no layer, a forecast on a variant without one, an SDT layer without
+            its Decision layer); every value given is still checked.
         **routing: the hyperparameters (see ``REQUIRED_KEYS``).
 
     Returns:
@@ -179,14 +184,14 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
     required = REQUIRED_KEYS[variant]
     problems: List[str] = []
     missing = [key for key in required if key not in routing]
-    if missing:
+    if missing and for_builder:
         problems.append(f"missing required routing hyperparameter(s) for variant '{variant}': {', '.join(missing)}")
     unknown = sorted(set(routing) - set(required))
     if unknown:
         problems.append(f"unknown routing hyperparameter(s) for variant '{variant}': {', '.join(unknown)}")
     if variant in STATIC_VARIANTS:
         dropped = _resolve_dropped(routing, num_layers, problems) if variant == "layerdrop" else []
-        if variant == "layerdrop" and "dropped_layers" in routing and not dropped and not problems:
+        if variant == "layerdrop" and "dropped_layers" in routing and not dropped and not problems and for_builder:
             problems.append("dropped_layers resolves to no layer; use variant 'dense' for a dense model")
         skip_update = routing.get("skip_update")
         if variant == "layerdrop" and "skip_update" in routing and skip_update not in ("none", "bias"):
@@ -199,7 +204,7 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
 
     values: Dict[str, Any] = {key: routing.get(key) for key in required}
     layers = _resolve_layers(values["routed_layers"], num_layers, problems) if "routed_layers" in routing else []
-    if variant == "sdt":
+    if variant == "sdt" and for_builder:
         for i in layers:
             if i == 0 or (i - 1) in layers:
                 problems.append(
@@ -246,7 +251,7 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
     if "skip_update" in routing:
         if routing["skip_update"] not in SKIP_UPDATES:
             problems.append(f"unknown skip_update {routing['skip_update']!r}; expected one of {SKIP_UPDATES}")
-        elif routing["skip_update"] == "predicted" and variant != "stt":
+        elif routing["skip_update"] == "predicted" and variant != "stt" and for_builder:
             problems.append(
                 f"skip_update: predicted needs a forecast of the block's own update (the STT transition network); "
                 f"variant '{variant}' has none (SDT's PriorFFN predicts the Decision layer's update), use 'none'"
@@ -257,10 +262,10 @@ def validate_routing(variant: str, num_layers: int, **routing: Any) -> RoutingSp
     both = sorted(set(dropped) & set(layers))
     if both:
         problems.append(f"layers {both} are both routed and dropped; a layer is one or the other")
-    needed = sorted({i - 1 for i in layers} & set(dropped)) if variant == "sdt" else []
+    needed = sorted({i - 1 for i in layers} & set(dropped)) if variant == "sdt" and for_builder else []
     if needed:
         problems.append(f"SDT Decision layer(s) {needed} (the layer before a routed one) cannot be dropped")
-    if layers == [] and "routed_layers" in routing and not problems:
+    if layers == [] and "routed_layers" in routing and not problems and for_builder:
         problems.append(f"routed_layers resolves to no layer for variant '{variant}'; use variant 'dense' for a dense model")
 
     if variant in ("sdt", "stt"):

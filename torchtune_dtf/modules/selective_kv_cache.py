@@ -114,6 +114,11 @@ class SelectiveKVCache(nn.Module):
         self._fill_bound = 0
         self._announced = 0
 
+    def sync_fill_bound(self) -> None:
+        """Re-read the host-side bound on the rows' fill after the buffers were written from outside the cache
+        (e.g. a stored prompt copied into every row); one host read."""
+        self._fill_bound = int(self.fill.max())
+
     @property
     def allocated_entries(self) -> int:
         """Entries per row the buffers can hold now (without the scratch slot)."""

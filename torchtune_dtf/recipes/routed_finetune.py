@@ -39,7 +39,6 @@ end is :mod:`torchtune_dtf.evaluation.run_summary`, and the command line is pars
 :func:`torchtune_dtf.recipes.stock.parse` (``tune run``'s own merge).
 """
 
-import functools
 import math
 import os
 import sys
@@ -56,29 +55,26 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
-from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params, get_merged_lora_ckpt, set_trainable_params
+from torchtune.modules.peft import get_adapter_params, get_merged_lora_ckpt, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_dtf.evaluation.run_summary import student_executed_fractions, summarize_run
-from torchtune_dtf.models.qwen2_5 import dense_model_config
+from torchtune_dtf.models.model_config import dense_model_config, is_lora, model_variant
 from torchtune_dtf.models.routing_config import STATIC_VARIANTS
 from torchtune_dtf.modules import routing_group_of
 from torchtune_dtf.modules.layers import RoutedSelfAttentionLayer
 from torchtune_dtf.modules.routing_context import RoutingContext
-# Two names are imported from this module elsewhere: merge_overrides (torchtune_dtf.validate) and
-# ADDED_FINGERPRINT_ENTRIES (the study driver in experiments/).
-from torchtune_dtf.recipes.stock import log_config_if_asked, merge_overrides, parse  # noqa: F401
+from torchtune_dtf.recipes.stock import log_config_if_asked, parse
 from torchtune_dtf.training.calibration import batch_for_calibration, calibrate_to_teacher
 from torchtune_dtf.training.checkpointer import RUN_ID_KEY, STEP_KEY, routed_adapter_state_dict
-from torchtune_dtf.training.recipe_checks import (  # noqa: F401
-    ADDED_FINGERPRINT_ENTRIES,
+from torchtune_dtf.training.recipe_checks import (
     PARAM_GROUPS,
-    check_recipe_config,
     check_resumable,
     check_resume_length,
     check_resume_mode,
     resume_fingerprint,
+    validate_recipe_config,
 )
 from torchtune_dtf.training.routing_losses import distillation_loss, routing_metrics, training_loss
 from torchtune_dtf.data.checks import check_local_text_files, check_text_column
@@ -92,30 +88,6 @@ from torchtune_dtf.training.schedules import (
 )
 
 log = utils.get_logger("INFO")
-
-
-@functools.lru_cache(maxsize=8)
-def _identity_of(model_yaml: str) -> Tuple[str, bool]:
-    with torch.device("meta"):  # no memory, no weights: just the modules
-        model = config.instantiate(OmegaConf.create(model_yaml))
-    # Routing modules count as adapter parameters (they train in LoRA runs), so look for LoRA layers themselves.
-    return model.variant, any(isinstance(m, (LoRALinear, DoRALinear)) for m in model.modules())
-
-
-def model_identity(cfg_model: DictConfig) -> Tuple[str, bool]:
-    """``(variant, is_lora)`` of the model a config describes, read from the model itself (its ``.variant``
-    and whether it has LoRA adapters), built on the meta device so configs are checked before any work."""
-    return _identity_of(OmegaConf.to_yaml(cfg_model, resolve=True))
-
-
-def _variant_of(cfg_model: DictConfig) -> str:
-    return model_identity(cfg_model)[0]
-
-
-def validate_recipe_config(cfg: DictConfig) -> None:
-    """Fail before any work with one message naming every missing or misplaced key, then every bad value
-    (:func:`~torchtune_dtf.training.recipe_checks.check_recipe_config` for the variant ``cfg.model`` builds)."""
-    check_recipe_config(cfg, _variant_of(cfg.model) if "model" in cfg else None)
 
 
 #: Prefix that activation checkpointing adds to the names of wrapped modules' parameters (not to state-dict keys).
@@ -148,7 +120,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
         self._distributed = self.world_size > 1
-        self._variant, self._is_lora = model_identity(cfg.model)
+        model_section = OmegaConf.to_container(cfg.model, resolve=True)
+        self._variant, self._is_lora = model_variant(model_section), is_lora(model_section)
         # Dense and static layer dropping take no routing decision: no routing context, losses or schedules.
         self._routed = self._variant not in STATIC_VARIANTS
         if self._is_lora:

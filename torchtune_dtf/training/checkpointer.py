@@ -39,6 +39,7 @@ of an eval or generate config as it is (``checkpoint_files: [model-00001-of-0000
 the shard names it holds); its routing sidecar is picked up automatically.
 """
 
+import copy
 import json
 import logging
 import os
@@ -333,9 +334,6 @@ class RoutedHFCheckpointer:
             ``FullModelHFCheckpointer`` (a list, or ``filename_format``/``max_filename``).
         model_type (str): must be ``"QWEN2"`` (the key mapping of every model built here).
         output_dir (str): where ``epoch_{N}`` checkpoint folders and ``run.json`` are written.
-        adapter_checkpoint (Optional[str]): accepted for torchtune compatibility and not used: a resume takes
-            the adapter from the newest checkpoint folder of the run (:func:`resume_folder`).
-        recipe_checkpoint (Optional[str]): likewise; the recipe state comes from that folder.
         resume_from_checkpoint (bool): deprecated alias of ``should_load_recipe_state`` (torchtune's).
         safe_serialization (bool): save model/adapter weights as safetensors (else ``.bin``/``.pt``).
             The routing sidecar is always safetensors.
@@ -357,8 +355,6 @@ class RoutedHFCheckpointer:
         checkpoint_files: Union[List[str], Dict[str, str]],
         model_type: str,
         output_dir: str,
-        adapter_checkpoint: Optional[str] = None,
-        recipe_checkpoint: Optional[str] = None,
         resume_from_checkpoint: bool = False,
         safe_serialization: bool = True,
         should_load_recipe_state: bool = False,
@@ -371,7 +367,9 @@ class RoutedHFCheckpointer:
         self._model_config = _plain_model_config(model)
         self._routing_init_seed = routing_init_seed
 
-        meta_model = self._build_meta_model()
+        # Built once, on the meta device: the shapes to check every loaded file against, and the routing modules
+        # to initialise when a checkpoint has none.
+        self._meta_model = meta_model = self._build_meta_model()
         shapes = {key: value.shape for key, value in meta_model.state_dict().items()}
         self._meta_attn = meta_model.layers[0].attn
         adapter_keys = set(get_adapter_params(meta_model))
@@ -381,6 +379,10 @@ class RoutedHFCheckpointer:
             k: s for k, s in shapes.items() if k not in self._routing_shapes and k not in self._lora_shapes
         }
 
+        # A resume takes the adapter and the recipe state from the newest complete checkpoint folder of this run,
+        # so neither is a constructor argument (torchtune's checkpointers take them as paths).
+        adapter_checkpoint: Optional[str] = None
+        recipe_checkpoint: Optional[str] = None
         self._resume_folder: Optional[Path] = None
         if should_load_recipe_state or resume_from_checkpoint:
             # Every file comes from the newest complete checkpoint of this run (torchtune itself would take the
@@ -420,14 +422,13 @@ class RoutedHFCheckpointer:
     def _initial_routing(self, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
         """Fresh routing parameters: each routing module materialised on CPU and ``reset_parameters()``
         called under ``routing_init_seed`` (global RNG state untouched), cast to ``dtype``."""
-        model = self._build_meta_model()
         routing = {}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self._routing_init_seed)
-            for name, module in model.named_modules():
+            for name, module in self._meta_model.named_modules():
                 if name.rsplit(".", 1)[-1] not in ROUTING_MODULE_NAMES:
                     continue
-                module.to_empty(device="cpu")
+                module = copy.deepcopy(module).to_empty(device="cpu")  # the meta model itself stays untouched
                 for param in module.parameters():
                     param.data.fill_(float("nan"))
                 module.reset_parameters()

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from torchtune_dtf.models.model_config import model_variant
 from torchtune_dtf.models.routing_config import KEYS_ADDED_LATER, STATIC_VARIANTS
 from torchtune_dtf.modules import ROUTING_MODULE_GROUPS
 
@@ -70,14 +71,17 @@ RESUME_MODES = (False, True, "extend")
 
 
 # ------------------------------------------------------------------------------------------ config
-def check_recipe_config(cfg: DictConfig, variant: Optional[str]) -> None:
+def validate_recipe_config(cfg: DictConfig) -> None:
     """Fail before any work with one message naming every missing or misplaced key, then every bad value.
+
+    The variant ``cfg.model`` builds (read from the config, :func:`~torchtune_dtf.models.model_config.model_variant`)
+    decides which sections are needed: a routed variant needs the routing sections, a static one (dense, layer
+    dropping) does not.
 
     Args:
         cfg (DictConfig): the recipe's config, overrides merged.
-        variant (Optional[str]): the variant ``cfg.model`` builds (``None`` when ``cfg`` has no ``model``);
-            a routed variant needs the routing sections, a static one (dense, layer dropping) does not.
     """
+    variant = model_variant(OmegaConf.to_container(cfg.model, resolve=True)) if "model" in cfg else None
     missing = [key for key in REQUIRED_KEYS if key not in cfg]
     sections = [("distillation", ("weight", "temperature"))]
     if variant is not None and variant not in STATIC_VARIANTS:

@@ -7,7 +7,6 @@ from torchtune_dtf.models.qwen2_5._component_builders import (
     routed_qwen2,
 )
 from torchtune_dtf.models.qwen2_5._model_builders import (
-    LORA_ARGUMENTS,
     QWEN2_5_SHAPES,
     dense_qwen2_5_0_5b,
     dense_qwen2_5_1_5b,
@@ -29,8 +28,6 @@ from torchtune_dtf.models.qwen2_5._model_builders import (
     stt_qwen2_5_3b,
     stt_qwen2_5_7b,
     stt_qwen2_5_tiny,
-    dense_model_config,
-    merged_model_config,
     lora_dense_qwen2_5_0_5b,
     lora_dense_qwen2_5_1_5b,
     lora_dense_qwen2_5_3b,
@@ -70,9 +67,6 @@ __all__ = [
     "ARCHITECTURE_KEYS",
     "Qwen2Architecture",
     "QWEN2_5_SHAPES",
-    "LORA_ARGUMENTS",
-    "dense_model_config",
-    "merged_model_config",
     "routed_qwen2",
     "lora_routed_qwen2",
     "dense_qwen2_5_0_5b",

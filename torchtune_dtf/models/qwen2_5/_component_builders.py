@@ -10,7 +10,7 @@ Both gather them into one :class:`Qwen2Architecture` first, which is where they 
 
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from torch import nn
 from torchtune.models.qwen2._component_builders import lora_qwen2_mlp, lora_qwen2_self_attention, qwen2_mlp
@@ -31,6 +31,24 @@ from torchtune_dtf.modules.layers import (
 from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias, predictor_width
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter
 from torchtune_dtf.modules.surprise import PredictiveRouter
+
+
+@dataclass(frozen=True)
+class BuilderIdentity:
+    """What a model builder builds, declared where the builder is defined (never parsed from its name): each
+    builder carries it as its ``identity`` attribute (:mod:`torchtune_dtf.models.model_config` reads it).
+
+    Args:
+        variant (Optional[str]): the variant the builder builds; None for the component builders
+            (:func:`routed_qwen2`, :func:`lora_routed_qwen2`), whose config gives it as ``variant``.
+        size (Optional[str]): a key of ``QWEN2_5_SHAPES``; None for the component builders, whose config gives
+            the architecture key by key.
+        lora (bool): the builder adds LoRA adapters.
+    """
+
+    variant: Optional[str]
+    size: Optional[str]
+    lora: bool
 
 
 @dataclass(frozen=True)
@@ -376,3 +394,7 @@ def lora_routed_qwen2(
     else:
         make_mlp = partial(qwen2_mlp, dim=arch.embed_dim, hidden_dim=arch.intermediate_dim)
     return _routed_decoder(variant, arch, routing, make_attn=make_attn, make_mlp=make_mlp)
+
+
+routed_qwen2.identity = BuilderIdentity(variant=None, size=None, lora=False)
+lora_routed_qwen2.identity = BuilderIdentity(variant=None, size=None, lora=True)

@@ -10,9 +10,10 @@ torchtune) and the keyword-only ``lora_rank``, ``lora_alpha``, ``lora_dropout``.
 
 A builder passes its arguments on as ``**locals()``: as the first expression of the body, ``locals()`` is
 exactly the builder's parameters, so none of them can be wired to the wrong key by a typo
-(``tests/test_builders.py`` checks every signature against ``REQUIRED_KEYS``). ``@_reports_every_problem``
-keeps the project's promise of one error listing every missing, unknown and invalid routing argument, where
-Python alone would stop at the first unknown keyword.
+(``tests/test_builders.py`` checks every signature against ``REQUIRED_KEYS``). ``@_model_builder(variant, size)``
+declares what the builder builds (its ``identity``, which :mod:`torchtune_dtf.models.model_config` reads instead
+of parsing names) and keeps the project's promise of one error listing every missing, unknown and invalid routing
+argument, where Python alone would stop at the first unknown keyword.
 
 The architecture numbers are Qwen2.5's (as torchtune's builders; 1.5B and 7B with the base models' 131072
 ``max_seq_len``). ``tiny`` is a shape for tests and CPU smoke runs; its builders also require ``vocab_size``
@@ -25,14 +26,13 @@ Example:
 """
 
 import functools
-import importlib
 import inspect
 from types import MappingProxyType
-from typing import Any, Callable, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
-from torchtune_dtf.models.qwen2_5._component_builders import lora_routed_qwen2, routed_qwen2
+from torchtune_dtf.models.qwen2_5._component_builders import BuilderIdentity, lora_routed_qwen2, routed_qwen2
 from torchtune_dtf.models.routing_config import REQUIRED_KEYS, Capacity, Placement, validate_routing
 from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
 
@@ -54,36 +54,46 @@ QWEN2_5_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
 })
 
 
-def _reports_every_problem(builder: Callable[..., RoutedTransformerDecoder]) -> Callable[..., RoutedTransformerDecoder]:
-    """Report arguments that do not fit ``builder``'s signature as :func:`validate_routing` does.
+#: Every model builder of the package by what it builds: ``(variant, size, lora)`` → builder.
+MODEL_BUILDERS: Dict[Tuple[str, str, bool], Callable[..., RoutedTransformerDecoder]] = {}
+
+
+def _model_builder(variant: str, size: str, *, lora: bool = False):
+    """Register a builder of ``variant`` at ``size`` (``identity`` attribute, :data:`MODEL_BUILDERS`) and make it
+    report argument problems as :func:`validate_routing` does.
 
     Python's TypeError names the first unknown keyword and stops; a call that does not bind is instead checked
     by :func:`validate_routing`, whose ValueError lists every missing, unknown and invalid routing argument
     (the TypeError stays attached as its cause; when the routing arguments are fine, e.g. a LoRA argument is
     missing, the TypeError is Python's). Name, docstring and ``inspect.signature`` are the builder's.
     """
-    variant = builder.__name__.removeprefix("lora_").split("_", 1)[0]
-    num_layers = QWEN2_5_SHAPES[builder.__name__.split("_qwen2_5_", 1)[1]]["num_layers"]
-    signature = inspect.signature(builder)
-    not_routing = set(signature.parameters) - set(REQUIRED_KEYS[variant])  # LoRA and tiny-shape arguments
+    num_layers = QWEN2_5_SHAPES[size]["num_layers"]
 
-    @functools.wraps(builder)
-    def build(*args: Any, **kwargs: Any) -> RoutedTransformerDecoder:
-        try:
-            signature.bind(*args, **kwargs)
-        except TypeError as err:
-            routing = {key: value for key, value in kwargs.items() if key not in not_routing}
+    def register(builder: Callable[..., RoutedTransformerDecoder]) -> Callable[..., RoutedTransformerDecoder]:
+        signature = inspect.signature(builder)
+        not_routing = set(signature.parameters) - set(REQUIRED_KEYS[variant])  # LoRA and tiny-shape arguments
+
+        @functools.wraps(builder)
+        def build(*args: Any, **kwargs: Any) -> RoutedTransformerDecoder:
             try:
-                validate_routing(variant, num_layers, **routing)
-            except ValueError as problems:
-                raise problems from err
-        # Binds, or fails for a non-routing argument: then Python's own TypeError, which names the builder.
-        return builder(*args, **kwargs)
+                signature.bind(*args, **kwargs)
+            except TypeError as err:
+                routing = {key: value for key, value in kwargs.items() if key not in not_routing}
+                try:
+                    validate_routing(variant, num_layers, **routing)
+                except ValueError as problems:
+                    raise problems from err
+            # Binds, or fails for a non-routing argument: then Python's own TypeError, which names the builder.
+            return builder(*args, **kwargs)
 
-    return build
+        build.identity = BuilderIdentity(variant=variant, size=size, lora=lora)
+        MODEL_BUILDERS[(variant, size, lora)] = build
+        return build
+
+    return register
 
 
-@_reports_every_problem
+@_model_builder("dense", "0_5b")
 def dense_qwen2_5_0_5b() -> RoutedTransformerDecoder:
     """Dense Qwen2.5-0.5B (24 layers, d = 896).
 
@@ -93,7 +103,7 @@ def dense_qwen2_5_0_5b() -> RoutedTransformerDecoder:
     return routed_qwen2("dense", **QWEN2_5_SHAPES["0_5b"])
 
 
-@_reports_every_problem
+@_model_builder("dense", "1_5b")
 def dense_qwen2_5_1_5b() -> RoutedTransformerDecoder:
     """Dense Qwen2.5-1.5B (28 layers, d = 1536).
 
@@ -103,7 +113,7 @@ def dense_qwen2_5_1_5b() -> RoutedTransformerDecoder:
     return routed_qwen2("dense", **QWEN2_5_SHAPES["1_5b"])
 
 
-@_reports_every_problem
+@_model_builder("dense", "3b")
 def dense_qwen2_5_3b() -> RoutedTransformerDecoder:
     """Dense Qwen2.5-3B (36 layers, d = 2048).
 
@@ -113,7 +123,7 @@ def dense_qwen2_5_3b() -> RoutedTransformerDecoder:
     return routed_qwen2("dense", **QWEN2_5_SHAPES["3b"])
 
 
-@_reports_every_problem
+@_model_builder("dense", "7b")
 def dense_qwen2_5_7b() -> RoutedTransformerDecoder:
     """Dense Qwen2.5-7B (28 layers, d = 3584).
 
@@ -123,7 +133,7 @@ def dense_qwen2_5_7b() -> RoutedTransformerDecoder:
     return routed_qwen2("dense", **QWEN2_5_SHAPES["7b"])
 
 
-@_reports_every_problem
+@_model_builder("dense", "tiny")
 def dense_qwen2_5_tiny(
     *,
     vocab_size: int, max_seq_len: int,
@@ -140,7 +150,7 @@ def dense_qwen2_5_tiny(
     return routed_qwen2("dense", **QWEN2_5_SHAPES["tiny"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("mod", "0_5b")
 def mod_qwen2_5_0_5b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -160,7 +170,7 @@ def mod_qwen2_5_0_5b(
     return routed_qwen2("mod", **QWEN2_5_SHAPES["0_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("mod", "1_5b")
 def mod_qwen2_5_1_5b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -180,7 +190,7 @@ def mod_qwen2_5_1_5b(
     return routed_qwen2("mod", **QWEN2_5_SHAPES["1_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("mod", "3b")
 def mod_qwen2_5_3b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -200,7 +210,7 @@ def mod_qwen2_5_3b(
     return routed_qwen2("mod", **QWEN2_5_SHAPES["3b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("mod", "7b")
 def mod_qwen2_5_7b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -220,7 +230,7 @@ def mod_qwen2_5_7b(
     return routed_qwen2("mod", **QWEN2_5_SHAPES["7b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("mod", "tiny")
 def mod_qwen2_5_tiny(
     *,
     vocab_size: int, max_seq_len: int,
@@ -245,7 +255,7 @@ def mod_qwen2_5_tiny(
     return routed_qwen2("mod", **QWEN2_5_SHAPES["tiny"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("sdt", "0_5b")
 def sdt_qwen2_5_0_5b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -267,7 +277,7 @@ def sdt_qwen2_5_0_5b(
     return routed_qwen2("sdt", **QWEN2_5_SHAPES["0_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("sdt", "1_5b")
 def sdt_qwen2_5_1_5b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -289,7 +299,7 @@ def sdt_qwen2_5_1_5b(
     return routed_qwen2("sdt", **QWEN2_5_SHAPES["1_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("sdt", "3b")
 def sdt_qwen2_5_3b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -311,7 +321,7 @@ def sdt_qwen2_5_3b(
     return routed_qwen2("sdt", **QWEN2_5_SHAPES["3b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("sdt", "7b")
 def sdt_qwen2_5_7b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -333,7 +343,7 @@ def sdt_qwen2_5_7b(
     return routed_qwen2("sdt", **QWEN2_5_SHAPES["7b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("sdt", "tiny")
 def sdt_qwen2_5_tiny(
     *,
     vocab_size: int, max_seq_len: int,
@@ -360,7 +370,7 @@ def sdt_qwen2_5_tiny(
     return routed_qwen2("sdt", **QWEN2_5_SHAPES["tiny"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("stt", "0_5b")
 def stt_qwen2_5_0_5b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -382,7 +392,7 @@ def stt_qwen2_5_0_5b(
     return routed_qwen2("stt", **QWEN2_5_SHAPES["0_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("stt", "1_5b")
 def stt_qwen2_5_1_5b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -404,7 +414,7 @@ def stt_qwen2_5_1_5b(
     return routed_qwen2("stt", **QWEN2_5_SHAPES["1_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("stt", "3b")
 def stt_qwen2_5_3b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -426,7 +436,7 @@ def stt_qwen2_5_3b(
     return routed_qwen2("stt", **QWEN2_5_SHAPES["3b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("stt", "7b")
 def stt_qwen2_5_7b(
     *,
     routed_layers: Placement, capacity: Capacity,
@@ -448,7 +458,7 @@ def stt_qwen2_5_7b(
     return routed_qwen2("stt", **QWEN2_5_SHAPES["7b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("stt", "tiny")
 def stt_qwen2_5_tiny(
     *,
     vocab_size: int, max_seq_len: int,
@@ -475,7 +485,7 @@ def stt_qwen2_5_tiny(
     return routed_qwen2("stt", **QWEN2_5_SHAPES["tiny"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("dense", "0_5b", lora=True)
 def lora_dense_qwen2_5_0_5b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -492,7 +502,7 @@ def lora_dense_qwen2_5_0_5b(
     return lora_routed_qwen2("dense", **QWEN2_5_SHAPES["0_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("dense", "1_5b", lora=True)
 def lora_dense_qwen2_5_1_5b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -509,7 +519,7 @@ def lora_dense_qwen2_5_1_5b(
     return lora_routed_qwen2("dense", **QWEN2_5_SHAPES["1_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("dense", "3b", lora=True)
 def lora_dense_qwen2_5_3b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -526,7 +536,7 @@ def lora_dense_qwen2_5_3b(
     return lora_routed_qwen2("dense", **QWEN2_5_SHAPES["3b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("dense", "7b", lora=True)
 def lora_dense_qwen2_5_7b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -543,7 +553,7 @@ def lora_dense_qwen2_5_7b(
     return lora_routed_qwen2("dense", **QWEN2_5_SHAPES["7b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("dense", "tiny", lora=True)
 def lora_dense_qwen2_5_tiny(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -565,7 +575,7 @@ def lora_dense_qwen2_5_tiny(
     return lora_routed_qwen2("dense", **QWEN2_5_SHAPES["tiny"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("mod", "0_5b", lora=True)
 def lora_mod_qwen2_5_0_5b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -589,7 +599,7 @@ def lora_mod_qwen2_5_0_5b(
     return lora_routed_qwen2("mod", **QWEN2_5_SHAPES["0_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("mod", "1_5b", lora=True)
 def lora_mod_qwen2_5_1_5b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -613,7 +623,7 @@ def lora_mod_qwen2_5_1_5b(
     return lora_routed_qwen2("mod", **QWEN2_5_SHAPES["1_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("mod", "3b", lora=True)
 def lora_mod_qwen2_5_3b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -637,7 +647,7 @@ def lora_mod_qwen2_5_3b(
     return lora_routed_qwen2("mod", **QWEN2_5_SHAPES["3b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("mod", "7b", lora=True)
 def lora_mod_qwen2_5_7b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -661,7 +671,7 @@ def lora_mod_qwen2_5_7b(
     return lora_routed_qwen2("mod", **QWEN2_5_SHAPES["7b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("mod", "tiny", lora=True)
 def lora_mod_qwen2_5_tiny(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -690,7 +700,7 @@ def lora_mod_qwen2_5_tiny(
     return lora_routed_qwen2("mod", **QWEN2_5_SHAPES["tiny"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("sdt", "0_5b", lora=True)
 def lora_sdt_qwen2_5_0_5b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -716,7 +726,7 @@ def lora_sdt_qwen2_5_0_5b(
     return lora_routed_qwen2("sdt", **QWEN2_5_SHAPES["0_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("sdt", "1_5b", lora=True)
 def lora_sdt_qwen2_5_1_5b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -742,7 +752,7 @@ def lora_sdt_qwen2_5_1_5b(
     return lora_routed_qwen2("sdt", **QWEN2_5_SHAPES["1_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("sdt", "3b", lora=True)
 def lora_sdt_qwen2_5_3b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -768,7 +778,7 @@ def lora_sdt_qwen2_5_3b(
     return lora_routed_qwen2("sdt", **QWEN2_5_SHAPES["3b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("sdt", "7b", lora=True)
 def lora_sdt_qwen2_5_7b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -794,7 +804,7 @@ def lora_sdt_qwen2_5_7b(
     return lora_routed_qwen2("sdt", **QWEN2_5_SHAPES["7b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("sdt", "tiny", lora=True)
 def lora_sdt_qwen2_5_tiny(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -825,7 +835,7 @@ def lora_sdt_qwen2_5_tiny(
     return lora_routed_qwen2("sdt", **QWEN2_5_SHAPES["tiny"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("stt", "0_5b", lora=True)
 def lora_stt_qwen2_5_0_5b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -851,7 +861,7 @@ def lora_stt_qwen2_5_0_5b(
     return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["0_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("stt", "1_5b", lora=True)
 def lora_stt_qwen2_5_1_5b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -877,7 +887,7 @@ def lora_stt_qwen2_5_1_5b(
     return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["1_5b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("stt", "3b", lora=True)
 def lora_stt_qwen2_5_3b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -903,7 +913,7 @@ def lora_stt_qwen2_5_3b(
     return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["3b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("stt", "7b", lora=True)
 def lora_stt_qwen2_5_7b(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -929,7 +939,7 @@ def lora_stt_qwen2_5_7b(
     return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["7b"], **locals())
 
 
-@_reports_every_problem
+@_model_builder("stt", "tiny", lora=True)
 def lora_stt_qwen2_5_tiny(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool,
@@ -958,65 +968,3 @@ def lora_stt_qwen2_5_tiny(
         RoutedTransformerDecoder: tokens ``[b, s]`` → logits ``[b, s, vocab_size]``.
     """
     return lora_routed_qwen2("stt", **QWEN2_5_SHAPES["tiny"], **locals())
-
-
-LORA_ARGUMENTS = ("lora_attn_modules", "apply_lora_to_mlp", "lora_rank", "lora_alpha", "lora_dropout")
-
-
-def merged_model_config(model_cfg: Mapping[str, Any]) -> dict:
-    """The model config that a LoRA run's saved checkpoint loads into: the builder's non-LoRA twin.
-
-    The recipe saves LoRA merged into copies of the base weights, as torchtune's LoRA recipes do, so a saved
-    ``epoch_N`` holds no ``lora_a``/``lora_b`` weights and loads, strictly, into the twin without LoRA
-    (``lora_stt_qwen2_5_0_5b`` → ``stt_qwen2_5_0_5b``, ``lora_routed_qwen2`` → ``routed_qwen2``), the model the
-    shipped ``configs/eval/lora_*`` configs name. The routing arguments carry over unchanged; the LoRA ones
-    (``LORA_ARGUMENTS``) are dropped. A config without a LoRA builder is returned as it is (as a plain dict).
-
-    Args:
-        model_cfg (Mapping[str, Any]): a config's ``model`` section, ``_component_`` included.
-
-    Returns:
-        dict: the twin's ``model`` section.
-
-    Raises:
-        ValueError: if ``model_cfg`` names a ``lora_*`` builder whose twin does not exist.
-    """
-    cfg = dict(model_cfg)
-    module_name, _, builder = str(cfg["_component_"]).rpartition(".")
-    if not builder.startswith("lora_"):
-        return cfg
-    twin = builder[len("lora_"):]
-    if not hasattr(importlib.import_module(module_name), twin):
-        raise ValueError(f"{cfg['_component_']} is a LoRA builder, but {module_name} has no non-LoRA twin {twin!r} "
-                         "to load its merged checkpoint into")
-    merged = {key: value for key, value in cfg.items() if key not in LORA_ARGUMENTS}
-    merged["_component_"] = f"{module_name}.{twin}"
-    return merged
-
-
-#: Every key that routes (any variant's); none of them is an architecture or LoRA argument.
-_ALL_ROUTING_KEYS = frozenset(key for keys in REQUIRED_KEYS.values() for key in keys)
-
-
-def dense_model_config(model_cfg: Mapping[str, Any]) -> dict:
-    """The model config of the dense model with the same architecture (and LoRA settings): every routing key
-    removed, ``variant: dense`` for the component builders or the ``dense_`` builder of the same size.
-
-    Every layer of that model runs every token, dropped and routed layers alike: the distillation teacher and the
-    layer planner's base model (its block influence) are this model on the starting weights.
-
-    Args:
-        model_cfg (Mapping[str, Any]): a config's ``model`` section, ``_component_`` included.
-
-    Returns:
-        dict: the dense model's ``model`` section.
-    """
-    dense = {key: value for key, value in dict(model_cfg).items() if key not in _ALL_ROUTING_KEYS}
-    if "variant" in dense:
-        dense["variant"] = "dense"
-        return dense
-    module_name, _, builder = str(dense["_component_"]).rpartition(".")
-    lora = builder.startswith("lora_")
-    size = builder.removeprefix("lora_").split("_", 1)[1]
-    dense["_component_"] = f"{module_name}.{'lora_' if lora else ''}dense_{size}"
-    return dense
