@@ -35,9 +35,12 @@ A **placement** ``{drop: K, route: N, capacity: γ, by: RANKING, order: influenc
 (``inner_layers_by_influence`` of the measured influence): the first K dropped whole, the next N routed at γ. In
 place of ``route``, ``target_flops: f`` routes the fewest layers whose closed-form forward FLOP ratio is at most f
 (at the study's held-out ``seq_len``, with the config's model section after the run's techniques and overrides).
-``capacity`` is one γ or one per routed layer (then ``route`` is given); left out, the config's own γ is planned
-with and no ``model.capacity`` is written. A layerdrop config takes ``drop`` or ``target_flops`` alone. ``order:
-layer`` lists the layers by index (the layer-dropping baselines list theirs so) instead of the planner's order.
+``capacity`` is one γ or one per routed layer, written as given (a list needs ``route``, of its length, and pairs
+with the layers in the order the run's ``routed_layers`` lists them, as a config's does: the planner's ranking
+order, or index order with ``order: layer``; the planner is given it in its ranking order). Left out, the config's
+own γ is planned with and no ``model.capacity`` is written. A layerdrop config takes ``drop`` or ``target_flops``
+alone. ``order: layer`` lists the layers by index (the layer-dropping baselines list theirs so) instead of the
+planner's order.
 ``{capacity: γ}`` alone sets γ on the config's own routed layers and plans nothing.
 
 A run's overrides are, in this order: the placement's (``model.dropped_layers`` when it drops a layer or the config
@@ -195,24 +198,28 @@ def place(placement: Any, model: Dict[str, Any], parts: Parts, seq_len: Optional
     ranking = parts.ranking(placement["by"], where)
     variant = closed_form.variant_of_model_config(model)
     planned_capacity = capacity
-    if variant != "layerdrop":
-        if per_layer:
-            if "route" not in placement or "target_flops" in placement or len(capacity) != placement["route"]:
-                raise StudyError(f"{where}: one capacity per routed layer needs route: N with N capacities "
-                                 f"(and no target_flops), got {placement!r}")
-            planned_capacity = sum(capacity) / len(capacity)  # which layers do not depend on γ when N is given
-        elif capacity is None:
-            planned_capacity = model.get("capacity")
-            if not isinstance(planned_capacity, (int, float)):
-                raise StudyError(f"{where}: the config's capacity {planned_capacity!r} is not one γ: give the "
-                                 "placement a capacity")
+    if variant != "layerdrop" and capacity is None:
+        planned_capacity = model.get("capacity")
+        if not isinstance(planned_capacity, (int, float)):
+            raise StudyError(f"{where}: the config's capacity {planned_capacity!r} is not one γ: give the "
+                             "placement a capacity")
     drop = placement.get("drop", None if variant == "layerdrop" else 0)  # a routed plan drops nothing unless told
-    try:
-        plan = plan_layers(model, ranking, seq_len=int(seq_len), drop=drop, route=placement.get("route"),
-                           capacity=planned_capacity, target_flops=placement.get("target_flops"))
-    except ValueError as err:
-        raise StudyError(f"{where}: placement {placement!r}: {err}") from err
     arrange = sorted if order == "layer" else list
+
+    def plan_with(gamma):
+        try:
+            return plan_layers(model, ranking, seq_len=int(seq_len), drop=drop, route=placement.get("route"),
+                               capacity=gamma, target_flops=placement.get("target_flops"))
+        except ValueError as err:  # the planner refuses a per-layer capacity of another length than route
+            raise StudyError(f"{where}: placement {placement!r}: {err}") from err
+
+    plan = plan_with(planned_capacity)
+    if per_layer and order == "layer":
+        # The list pairs with routed_layers as the run writes them (by index); the planner's with its ranking
+        # order. Which layers are routed does not depend on γ (route is given), only their FLOP ratio does.
+        from torchtune_dtf.models.routing_config import capacity_per_layer
+
+        plan = plan_with(capacity_per_layer(arrange(plan.routed_layers), plan.routed_layers, capacity))
     overrides: Dict[str, Any] = {}
     if plan.dropped_layers or model.get("dropped_layers"):
         overrides["model.dropped_layers"] = arrange(plan.dropped_layers)

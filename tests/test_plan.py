@@ -82,6 +82,74 @@ def test_a_plan_that_cannot_be_made_says_why(kwargs, message):
         plan_layers(_quickstart_section("stt_smollm2.yaml"), STUDY_RANKING, seq_len=256, **kwargs)
 
 
+def _written_config_flop_ratio(text: str, seq_len: int) -> float:
+    """The closed form's forward FLOP ratio of a config's text (the written file, read back as the recipe reads it)."""
+    return closed_form.model_config_flop_ratio(OmegaConf.to_container(OmegaConf.create(text).model, resolve=True), seq_len)
+
+
+def test_a_per_layer_capacity_plan_is_the_closed_form_of_the_config_it_writes():
+    """One γ per routed layer, in ranking order: the plan's FLOP ratio is the closed form's of the written config,
+    which pairs the list with routed_layers in the order it lists them."""
+    section = _quickstart_section("stt_smollm2.yaml")
+    graded = [0.25] * 4 + [0.75] * 4  # the frontier study's stt_bi8_graded: less γ where block influence is lower
+    plan = plan_layers(section, STUDY_RANKING, seq_len=256, drop=0, route=8, capacity=graded)
+    assert plan.routed_layers == STUDY_RANKING[:8] and plan.capacity == graded
+    assert plan.model_values() == {"dropped_layers": [], "routed_layers": STUDY_RANKING[:8], "capacity": graded}
+    written = planned_config_text((QUICKSTART / "stt_smollm2.yaml").read_text(), plan, "planned here")
+    assert list(OmegaConf.create(written).model.capacity) == graded
+    assert plan.flop_ratio == pytest.approx(_written_config_flop_ratio(written, 256), rel=1e-12)
+    routing = closed_form.routing_shape_from_model_config({**section, **plan.model_values()}, 30, 576)
+    assert routing.gamma_of() == dict(zip(STUDY_RANKING[:8], graded))  # each layer keeps its own γ
+    # without skipped tokens' K/V, attention among the executed tokens grows as k²: not the ratio of one γ at the mean
+    assert plan.flop_ratio > plan_layers(section, STUDY_RANKING, seq_len=256, drop=0, route=8, capacity=0.5).flop_ratio
+    # with them (the study's `all`), the frontier study's number for that shape (oracle_probe.md: 0.903)
+    kv = {**section, "skipped_tokens_write_kv": True}
+    assert plan_layers(kv, STUDY_RANKING, seq_len=256, drop=0, route=8, capacity=graded).flop_ratio == \
+        pytest.approx(0.903, abs=5e-4)
+    # one γ in a list of one, or the same γ per layer, is the one-γ plan's ratio
+    uniform = plan_layers(section, STUDY_RANKING, seq_len=256, drop=5, route=6, capacity=0.5)
+    assert plan_layers(section, STUDY_RANKING, seq_len=256, drop=5, route=6, capacity=[0.5]) == uniform
+    assert plan_layers(section, STUDY_RANKING, seq_len=256, drop=5, route=6, capacity=[0.5] * 6).flop_ratio == \
+        pytest.approx(uniform.flop_ratio, rel=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(drop=2, route=5, capacity=[0.25, 0.75]),
+     r"--capacity lists 2 values but --route 5 routes 5 layers: give one γ, or one per routed layer"),
+    (dict(drop=0, route=2, capacity=[0.25, 0.5, 0.75]), r"--capacity lists 3 values but --route 2"),
+    (dict(drop=2, capacity=[0.25, 0.75], target_flops=0.9),
+     r"--capacity lists 2 values, one per routed layer: give --route 2, not --target-flops"),
+    (dict(drop=2, route=2, capacity=[]), r"--capacity lists no value"),
+])
+def test_a_per_layer_capacity_of_another_length_than_the_routed_layers_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_layers(_quickstart_section("stt_smollm2.yaml"), STUDY_RANKING, seq_len=256, **kwargs)
+
+
+def test_the_command_line_takes_one_capacity_per_routed_layer(tmp_path, monkeypatch, capsys):
+    """``--capacity`` with several values: written as a list in ranking order (measurement stubbed: the tiny model's
+    inner layers rank 2, 1)."""
+    import torchtune_dtf.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_measure", lambda cfg, data, windows, seq_len: [1.0, 0.2, 0.1, 1.0])
+    config = REPO / "configs/tiny/stt_train.yaml"
+    plan = main(["--config", str(config), "--data", str(tmp_path / "unread.jsonl"), "--drop", "0", "--route", "2",
+                 "--capacity", "0.25", "0.75", "--write", str(tmp_path / "planned.yaml")])
+    assert plan.routed_layers == [2, 1] and plan.capacity == [0.25, 0.75]
+    written = (tmp_path / "planned.yaml").read_text()
+    model = OmegaConf.create(written).model
+    assert list(model.routed_layers) == [2, 1] and list(model.capacity) == [0.25, 0.75]
+    assert written.splitlines()[0].endswith("--capacity 0.25 0.75 --write " + str(tmp_path / "planned.yaml"))
+    assert plan.flop_ratio == pytest.approx(_written_config_flop_ratio(written, 48), rel=1e-12)
+    assert 'model.capacity=[0.25, 0.75]' in capsys.readouterr().out
+    # one value is one γ, as before
+    assert main(["--config", str(config), "--data", str(tmp_path / "unread.jsonl"), "--drop", "0", "--route", "2",
+                 "--capacity", "0.5"]).capacity == 0.5
+    with pytest.raises(ValueError, match="--capacity lists 3 values but --route 2"):
+        main(["--config", str(config), "--data", str(tmp_path / "unread.jsonl"), "--drop", "0", "--route", "2",
+              "--capacity", "0.25", "0.5", "0.75"])
+
+
 def test_the_planned_config_keeps_every_other_line():
     text = (QUICKSTART / "stt_smollm2.yaml").read_text()
     plan = plan_layers(_quickstart_section("stt_smollm2.yaml"), STUDY_RANKING, seq_len=256, drop=4, route=2, capacity=0.625)

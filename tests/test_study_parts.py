@@ -130,6 +130,38 @@ def test_a_placement_is_the_planners_plan_on_the_measured_ranking(tmp_path):
     assert runs[targeted]["overrides"]["model.routed_layers"] == plan.routed_layers and plan.flop_ratio <= 0.85
 
 
+def test_one_capacity_per_routed_layer_is_planned_with_as_the_run_writes_it(tmp_path):
+    """The planner gets the list (not its mean) in its ranking order; the run writes it as given, paired with its
+    routed_layers as listed (ranking order, or by index with ``order: layer``)."""
+    from omegaconf import OmegaConf
+
+    from torchtune_dtf import closed_form
+    from experiments.parts import Parts, place
+
+    runs = resolve(tmp_path, [
+        {"name": "graded", "config": "stt", "placement": {"drop": 1, "route": 3, "capacity": [0.25, 0.5, 0.75], "by": "bi"}},
+        {"name": "by_layer", "config": "stt",
+         "placement": {"drop": 1, "route": 3, "capacity": [0.25, 0.5, 0.75], "by": "bi", "order": "layer"}},
+    ])
+    assert runs["graded"]["overrides"] == {"model.dropped_layers": [14], "model.routed_layers": [13, 12, 11],
+                                           "model.capacity": [0.25, 0.5, 0.75]}
+    assert runs["by_layer"]["overrides"] == {"model.dropped_layers": [14], "model.routed_layers": [11, 12, 13],
+                                             "model.capacity": [0.25, 0.5, 0.75]}
+    model = OmegaConf.to_container(OmegaConf.load(QUICKSTART / "stt_smollm2.yaml").model, resolve=True)
+    parts = Parts(tmp_path)
+    parts.add({"rankings": {"bi": "influence.json"}}, "here")
+    for name, ranked in (("graded", [0.25, 0.5, 0.75]), ("by_layer", [0.75, 0.5, 0.25])):
+        plan = plan_layers(model, inner_layers_by_influence(INFLUENCE), seq_len=256, drop=1, route=3, capacity=ranked)
+        written = {**model, **{key.removeprefix("model."): value for key, value in runs[name]["overrides"].items()}}
+        routing = closed_form.routing_shape_from_model_config(written, 30, 576)
+        assert routing.gamma_of() == dict(zip(plan.routed_layers, ranked)), name  # each layer its planned γ
+        assert closed_form.model_config_flop_ratio(written, 256) == pytest.approx(plan.flop_ratio, rel=1e-12)
+    with pytest.raises(StudyError, match=r"--capacity lists 2 values but --route 3 routes 3 layers"):
+        place({"route": 3, "capacity": [0.25, 0.75], "by": "bi"}, model, parts, 256, "here")
+    with pytest.raises(StudyError, match=r"--capacity lists 2 values, one per routed layer: give --route 2"):
+        place({"target_flops": 0.9, "capacity": [0.25, 0.75], "by": "bi"}, model, parts, 256, "here")
+
+
 @pytest.mark.parametrize("runs, techniques, message", [
     ([{"config": "stt", "use": ["kv"]}], {}, r"unknown technique 'kv'"),
     ([{"config": "stt", "use": ["all"]}], {"all": ["kv"], "kv": {"model.skipped_tokens_write_kv": True}},

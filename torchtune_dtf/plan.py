@@ -14,6 +14,8 @@ scored on.
     python -m torchtune_dtf.plan --config configs/quickstart/stt_smollm2.yaml --drop 5 --route 6 --capacity 0.5
     # as many routed layers as a FLOP target needs (closed form, prefill at the measured length)
     python -m torchtune_dtf.plan --config CFG --drop 4 --capacity 0.5 --target-flops 0.81 --write my_recipe.yaml
+    # one γ per routed layer, in ranking order: the 2 least influential of the 4 routed at 0.25, the next 2 at 0.75
+    python -m torchtune_dtf.plan --config CFG --drop 0 --route 4 --capacity 0.25 0.25 0.75 0.75
     # layer dropping alone (a ``layerdrop`` config): the fewest dropped layers that reach the target
     python -m torchtune_dtf.plan --config configs/quickstart/layerdrop_smollm2.yaml --target-flops 0.81
 
@@ -23,6 +25,11 @@ recipe trains on), and the FLOP ratio is the closed form's (``torchtune_dtf.clos
 with the config's own technique keys (K/V kept, forecast, router sizes). ``--write`` saves the config with the
 planned ``dropped_layers`` / ``routed_layers`` / ``capacity`` in place (every other line, comments included, as it
 was); ``--json`` saves the measurement.
+
+``--capacity`` is one γ for every routed layer, or one per routed layer (then ``--route`` gives their number): the
+*k*-th value is the γ of the *k*-th routed layer in ranking order, which is the order the plan lists
+``routed_layers`` in, and configs pair a ``capacity`` list with ``routed_layers`` in the order it lists them
+(``torchtune_dtf.models.routing_config.capacity_per_layer``).
 """
 
 import argparse
@@ -31,7 +38,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +50,8 @@ from torchtune_dtf.atomic_write import atomic_write_text
 _COMMAND_PREFIX = "# python -m torchtune_dtf.plan"
 #: The keys of a config's ``model`` section that a plan sets.
 PLANNED_KEYS = ("dropped_layers", "routed_layers", "capacity")
+#: γ of the routed layers: one for all of them, or one per routed layer in ranking order.
+Capacity = Union[float, Sequence[float]]
 
 
 @torch.no_grad()
@@ -79,27 +88,43 @@ class Plan:
     Attributes:
         dropped_layers: layers that run on no token, least influential first.
         routed_layers: layers routed at ``capacity``, in ranking order (a config may list them in any order).
-        capacity: γ of every routed layer (``None`` for layer dropping alone).
+        capacity: γ of every routed layer, or a list of one γ per layer of ``routed_layers`` in its order
+            (``None`` for layer dropping alone).
         flop_ratio: closed-form forward FLOPs / dense at ``seq_len`` (student mode, routers included).
         seq_len: the length the ratio is computed at.
     """
 
     dropped_layers: List[int]
     routed_layers: List[int]
-    capacity: Optional[float]
+    capacity: Optional[Union[float, List[float]]]
     flop_ratio: float
     seq_len: int
 
     def model_values(self) -> Dict[str, object]:
-        """The ``model`` keys a config gets (a layer-dropping plan sets ``dropped_layers`` only)."""
+        """The ``model`` keys a config gets (a layer-dropping plan sets ``dropped_layers`` only); a per-layer
+        ``capacity`` is written as its list, paired with ``routed_layers`` in the order both list them."""
         values: Dict[str, object] = {"dropped_layers": list(self.dropped_layers)}
         if self.routed_layers:
-            values.update(routed_layers=list(self.routed_layers), capacity=self.capacity)
+            capacity = list(self.capacity) if isinstance(self.capacity, list) else self.capacity
+            values.update(routed_layers=list(self.routed_layers), capacity=capacity)
         return values
 
 
 def _flop_ratio(model_section: Mapping, values: Mapping, seq_len: int) -> float:
     return closed_form.model_config_flop_ratio({**model_section, **values}, seq_len)
+
+
+def _capacities(capacity: Optional[Capacity]) -> Optional[Union[float, List[float]]]:
+    """``capacity`` as the plan holds it: None, one float, or a list of floats (one value given as a list of one
+    is that value)."""
+    if capacity is None or isinstance(capacity, (int, float)):
+        return None if capacity is None else float(capacity)
+    if isinstance(capacity, str):
+        raise ValueError(f"--capacity must be numbers, got {capacity!r}")
+    values = [float(value) for value in capacity]
+    if not values:
+        raise ValueError("--capacity lists no value: give one γ, or one per routed layer")
+    return values[0] if len(values) == 1 else values
 
 
 def plan_layers(
@@ -109,7 +134,7 @@ def plan_layers(
     seq_len: int,
     drop: Optional[int] = None,
     route: Optional[int] = None,
-    capacity: Optional[float] = None,
+    capacity: Optional[Capacity] = None,
     target_flops: Optional[float] = None,
 ) -> Plan:
     """Drop the first ``drop`` layers of ``ranking`` and route the next ``route`` at ``capacity``.
@@ -117,6 +142,8 @@ def plan_layers(
     A routed config (variant mod / sdt / stt / random) needs ``drop`` and ``capacity``, and either ``route`` or
     ``target_flops``: then ``route`` is the fewest layers whose closed-form FLOP ratio is at most the target. A
     ``layerdrop`` config takes either ``drop`` or ``target_flops`` (the fewest dropped layers that reach it).
+    ``capacity`` may list one γ per routed layer, in ranking order; then ``route`` must be given and equal its
+    length (the layers do not depend on γ: only their FLOP ratio does).
 
     Args:
         model_section: the config's ``model`` section (architecture and the technique keys the closed form reads).
@@ -124,18 +151,20 @@ def plan_layers(
         seq_len: the length the FLOP ratio is computed at.
         drop: whole layers to drop.
         route: layers to route.
-        capacity: γ of the routed layers.
+        capacity: γ of the routed layers: one value, or one per routed layer in ranking order.
         target_flops: a forward FLOP ratio to reach instead of a given count.
 
     Returns:
         Plan: the layer lists and their FLOP ratio.
 
     Raises:
-        ValueError: on a missing or contradictory count, more layers than the ranking holds, or a target that no
-            count reaches.
+        ValueError: on a missing or contradictory count, more layers than the ranking holds, a target that no
+            count reaches, or a per-layer capacity whose length is not the number of routed layers.
     """
     variant = closed_form.variant_of_model_config(model_section)
     ranking = list(ranking)
+    capacity = _capacities(capacity)
+    per_layer = isinstance(capacity, list)
     if variant == "dense":
         raise ValueError("a dense config has nothing to plan: give a routed config (mod, sdt, stt, random) or a layerdrop one")
 
@@ -163,6 +192,12 @@ def plan_layers(
         raise ValueError(f"a {variant} config needs --drop (whole layers, 0 for none) and --capacity (γ of the routed layers)")
     if (route is None) == (target_flops is None):
         raise ValueError("give exactly one of --route (a count) and --target-flops (the count that reaches it)")
+    if per_layer and route is None:
+        raise ValueError(f"--capacity lists {len(capacity)} values, one per routed layer: give --route "
+                         f"{len(capacity)}, not --target-flops (a target would choose the number of routed layers)")
+    if per_layer and len(capacity) != route:
+        raise ValueError(f"--capacity lists {len(capacity)} values but --route {route} routes {route} layers: give "
+                         "one γ, or one per routed layer in ranking order")
     if not 0 <= drop < len(ranking):
         raise ValueError(f"--drop {drop}: the model has {len(ranking)} inner layers, and at least one must stay to route")
     dropped, remaining = ranking[:drop], ranking[drop:]
@@ -177,7 +212,7 @@ def plan_layers(
     if not 0 < route <= len(remaining):
         raise ValueError(f"--route {route}: {len(remaining)} inner layers remain after dropping {drop}")
     routed = remaining[:route]
-    return Plan(dropped, routed, float(capacity), ratio(dropped, routed), seq_len)
+    return Plan(dropped, routed, capacity, ratio(dropped, routed), seq_len)
 
 
 def planned_config_text(config_text: str, plan: Plan, note: str) -> str:
@@ -238,7 +273,8 @@ def main(argv: Optional[List[str]] = None) -> Plan:
     parser.add_argument("--seq-len", type=int, help="tokens per window and the FLOP ratio's length (default: tokenizer.max_seq_len)")
     parser.add_argument("--drop", type=int, help="whole layers to drop")
     parser.add_argument("--route", type=int, help="layers to route (or --target-flops)")
-    parser.add_argument("--capacity", type=float, help="γ of the routed layers")
+    parser.add_argument("--capacity", type=float, nargs="+", metavar="GAMMA",
+                        help="γ of the routed layers: one value, or one per routed layer in ranking order (with --route)")
     parser.add_argument("--target-flops", type=float, help="forward FLOP ratio to reach (solves --route, or --drop for layerdrop)")
     parser.add_argument("--write", type=Path, help="write the config with the planned layers here")
     parser.add_argument("--json", type=Path, help="write the measured block influence and the plan here")
@@ -251,7 +287,7 @@ def main(argv: Optional[List[str]] = None) -> Plan:
     ranking = inner_layers_by_influence(influence)
     model_section = OmegaConf.to_container(cfg.model, resolve=True)
     plan = plan_layers(model_section, ranking, seq_len=seq_len, drop=args.drop, route=args.route,
-                       capacity=args.capacity, target_flops=args.target_flops)
+                       capacity=args.capacity, target_flops=args.target_flops)  # one value given is that value
 
     print("layer  block influence")
     for layer, value in enumerate(influence):
