@@ -161,7 +161,7 @@ def capacity_digits(gamma: float) -> str:
     return format(gamma, "g").removeprefix("0.").replace(".", "")
 
 
-def _model_section(config_file: Path, overrides: Mapping[str, Any]) -> Dict[str, Any]:
+def model_section(config_file: Path, overrides: Mapping[str, Any]) -> Dict[str, Any]:
     """The config's ``model`` section with ``overrides`` applied (what the planner's closed form reads)."""
     from omegaconf import OmegaConf
 
@@ -255,7 +255,7 @@ def resolve_run(run: Any, parts: Parts, seq_len: Optional[int], where: str) -> D
     placed: Dict[str, Any] = {}
     piece: Optional[str] = ""
     if run.get("placement") is not None:
-        model = _model_section(parts.root / config, {**techniques, **own})
+        model = model_section(parts.root / config, {**techniques, **own})
         placed, piece = place(run["placement"], model, parts, seq_len, where)
         clash = sorted(set(placed) & set(own))
         if clash:

@@ -1,12 +1,16 @@
 """experiments/frontier/oracle_probe.py: a shape that runs every token is the dense model, a dropped layer is
 layer dropping, and the oracle runs the tokens of largest update (not the first ones)."""
 
+import json
 import math
+import re
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from tests.conftest import VOCAB, build_tiny, load_script
 from tests.test_recipe import load_config, train_assets, workdir  # noqa: F401  (fixtures)
@@ -160,3 +164,24 @@ def test_only_merges_remeasured_shapes_into_the_probe_in_shape_order_and_refuses
         (names[0], "all", 1.0), (names[1], "all", 6.0), (names[2], "oracle", 4.0), (names[2], "random", 5.0)]
     with pytest.raises(ValueError, match="windows"):
         probe.merged(earlier, {**new, "windows": 8})
+
+
+def test_the_shapes_are_the_studys_and_those_the_committed_probe_measured():
+    """No layer list is written in the probe: its shapes are resolved from study.yaml and its parts (the planner on
+    block_influence.json), every study run a shape names is in it, and they are the shapes oracle_probe.json holds."""
+    probe = load_probe()
+    source = PROBE_PY.read_text()
+    assert not re.search(r"(dropped|routed)=[(\[]\s*\d", source) and "BY_INFLUENCE" not in source
+    measured = {}
+    for row in json.loads((PROBE_PY.parent / "oracle_probe.json").read_text())["rows"]:
+        measured.setdefault(row["shape"]["name"], row["shape"])
+    assert [json.loads(json.dumps(asdict(shape))) for shape in probe.SHAPES] == list(measured.values())
+    # a shape is its run's model section: the study's graded recipe keeps each layer's γ in its routed_layers order
+    graded = next(shape for shape in probe.SHAPES if shape.name == "stt_bi8_graded")
+    assert graded.capacity_of() == dict(zip(graded.routed, [0.25] * 4 + [0.75] * 4))
+    # a placement name is the layers it resolves to (the tiny model's 4 layers: every other is 1 and 3)
+    tiny = OmegaConf.to_container(load_config("stt_train").model, resolve=True)
+    assert tiny["routed_layers"] == "every_other"
+    every_other = probe.shape_of_model("x", tiny)
+    assert (every_other.routed, every_other.capacity, every_other.dropped) == ((1, 3), [0.5, 0.5], ())
+    assert every_other.skipped_tokens_write_kv is False

@@ -18,8 +18,9 @@ Both keep the first token (``always_run_first_token``, as every study config doe
 layer unchanged. With ``skipped_tokens_write_kv`` the executed tokens attend to every token's keys/values, so
 their outputs are the full layer's outputs on those positions; without it the layer runs on the gathered
 executed tokens alone (their own keys/values, RoPE at their original positions). Dropped layers run on no
-token. The shapes are the study's (``study.yaml``): the same dropped/routed layers and capacities, so each row
-sits beside the trained run of that name.
+token. The shapes are the study's (``study.yaml``): the same dropped/routed layers and capacities, resolved from
+its runs as the study resolves them (``SHAPE_SOURCES``: the planner's placements on ``block_influence.json``), so
+each row sits beside the trained run of that name; the probe-only shapes are placements the same parts resolve.
 
     python experiments/frontier/oracle_probe.py --config configs/quickstart/dense_smollm2.yaml \
         --text quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256 \
@@ -33,6 +34,7 @@ Evaluated on the study's held-out windows (the same ``heldout_windows`` the stud
 """
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -48,15 +50,15 @@ from torchtune import config
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # this checkout's benchmarks (closed-form FLOPs)
+    sys.path.insert(0, str(REPO))  # run as a script: the checkout's experiments package (the study's parts)
 
 from torchtune_dtf import closed_form  # noqa: E402
 from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, load_trained  # noqa: E402
+from torchtune_dtf.models.model_config import ARCH_KEYS  # noqa: E402
 from torchtune_dtf.modules import RoutingContext
 
-EVERY_OTHER_INNER_30 = list(range(1, 29, 2))
-# the inner layers, least block influence first (the order the study's biN / dK names count in)
-BY_INFLUENCE = tuple(json.loads((Path(__file__).parent / "block_influence.json").read_text())["inner_layers_by_influence"])
+#: The study whose shapes the probe runs in, and whose parts resolve the probe-only shapes.
+STUDY = Path(__file__).parent / "study.yaml"
 
 
 @dataclass(frozen=True)
@@ -76,43 +78,105 @@ class Shape:
         return dict(zip(self.routed, self.capacity))
 
 
-def _same(value: float, n: int) -> List[float]:
-    return [value] * n
-
-
-# The study's shapes (experiments/frontier/study.yaml), grouped by FLOP level.
-SHAPES = [
-    Shape("dense", study_runs=("dense",)),
+#: The probe's shapes in table order, grouped by FLOP level: (name, the study's trained runs of that shape, or for a
+#: probe-only shape a placement on the study's block influence). A study shape has the dropped and routed layers,
+#: capacities and K/V of its runs as the study resolves them (``study.yaml`` composed from its parts: the planner's
+#: placement on ``block_influence.json``), which must agree; a probe-only shape is the STT config with skipped
+#: tokens' K/V (technique ``kv``) in the placement, resolved by the same parts. No layer list is written here.
+SHAPE_SOURCES = (
+    ("dense", ("dense",)),
     # ≈ 0.90
-    Shape("layerdrop_4", dropped=(13, 14, 15, 17), study_runs=("layerdrop_4", "layerdrop_4_distill")),
-    Shape("stt_d2_bi5", dropped=(14, 13), routed=(17, 15, 12, 16, 25), capacity=_same(0.5, 5),
-          study_runs=("stt_d2_bi5_all_rlr10", "stt_d2_bi5_all_nocurr_rlr10")),
-    Shape("stt_bi8_graded", routed=(14, 13, 17, 15, 12, 16, 25, 26), capacity=[0.25] * 4 + [0.75] * 4,
-          study_runs=("stt_bi8_graded_all_rlr10",)),
-    Shape("stt_d3_bi4_g75", dropped=(14, 13, 17), routed=(15, 12, 16, 25), capacity=_same(0.75, 4),
-          study_runs=("stt_d3_bi4_g75_all_rlr10",)),
+    ("layerdrop_4", ("layerdrop_4", "layerdrop_4_distill")),
+    ("stt_d2_bi5", ("stt_d2_bi5_all_rlr10", "stt_d2_bi5_all_nocurr_rlr10")),
+    ("stt_bi8_graded", ("stt_bi8_graded_all_rlr10",)),
+    ("stt_d3_bi4_g75", ("stt_d3_bi4_g75_all_rlr10",)),
     # probe only (not trained): the same ≈ 4.5 layers' worth of skipped work spread thinner, over more layers at a
     # higher γ, in block-influence order; does a mild skip on many layers keep more than a deep one on few?
-    Shape("d2_bi10_g75", dropped=BY_INFLUENCE[:2], routed=BY_INFLUENCE[2:12], capacity=_same(0.75, 10)),
-    Shape("d3_bi6_g75", dropped=BY_INFLUENCE[:3], routed=BY_INFLUENCE[3:9], capacity=_same(0.75, 6)),
-    Shape("d1_bi14_g75", dropped=BY_INFLUENCE[:1], routed=BY_INFLUENCE[1:15], capacity=_same(0.75, 14)),
-    Shape("bi12_g62", routed=BY_INFLUENCE[:12], capacity=_same(0.625, 12)),
-    Shape("bi18_g75", routed=BY_INFLUENCE[:18], capacity=_same(0.75, 18)),
-    Shape("all28_g84", routed=BY_INFLUENCE, capacity=_same(0.84, 28)),
+    ("d2_bi10_g75", {"drop": 2, "route": 10, "capacity": 0.75}),
+    ("d3_bi6_g75", {"drop": 3, "route": 6, "capacity": 0.75}),
+    ("d1_bi14_g75", {"drop": 1, "route": 14, "capacity": 0.75}),
+    ("bi12_g62", {"route": 12, "capacity": 0.625}),
+    ("bi18_g75", {"route": 18, "capacity": 0.75}),
+    ("all28_g84", {"route": 28, "capacity": 0.84}),
     # ≈ 0.81
-    Shape("layerdrop_7", dropped=(12, 13, 14, 15, 16, 17, 25), study_runs=("layerdrop_7", "layerdrop_7_distill")),
-    Shape("stt_d4_bi7", dropped=(14, 13, 17, 15), routed=(12, 16, 25, 26, 11, 18, 2), capacity=_same(0.5, 7),
-          study_runs=("stt_d4_bi7_all_rlr10",)),
-    Shape("stt_50", routed=EVERY_OTHER_INNER_30, capacity=_same(0.5, 14), skipped_tokens_write_kv=False,
-          study_runs=("stt_50", "mod_50", "random_50")),
-    Shape("stt_50_kv", routed=EVERY_OTHER_INNER_30, capacity=_same(0.5, 14),
-          study_runs=("stt_50_kv", "stt_50_all")),
+    ("layerdrop_7", ("layerdrop_7", "layerdrop_7_distill")),
+    ("stt_d4_bi7", ("stt_d4_bi7_all_rlr10",)),
+    ("stt_50", ("stt_50", "mod_50", "random_50")),
+    ("stt_50_kv", ("stt_50_kv", "stt_50_all")),
     # ≈ 0.72
-    Shape("layerdrop_10", dropped=(11, 12, 13, 14, 15, 16, 17, 18, 25, 26),
-          study_runs=("layerdrop_10", "layerdrop_10_distill")),
-    Shape("stt_d6_bi10", dropped=(14, 13, 17, 15, 12, 16), routed=(25, 26, 11, 18, 2, 4, 5, 10, 3, 9),
-          capacity=_same(0.5, 10), study_runs=("stt_d6_bi10_all_rlr10",)),
-]
+    ("layerdrop_10", ("layerdrop_10", "layerdrop_10_distill")),
+    ("stt_d6_bi10", ("stt_d6_bi10_all_rlr10",)),
+)
+#: The ranking the probe-only placements are planned on (a ranking of the study's parts).
+PROBE_RANKING = "block_influence"
+
+
+def _as_listed(written, resolved: Sequence[int]) -> List[int]:
+    """A config's layer list in the order it lists the layers (a placement name such as ``every_other_inner``:
+    the layers it resolves to)."""
+    if isinstance(written, (list, tuple)):
+        if sorted(int(i) for i in written) != sorted(resolved):
+            raise ValueError(f"layers {written} do not resolve to themselves ({list(resolved)})")
+        return [int(i) for i in written]
+    return list(resolved)
+
+
+def shape_of_model(name: str, model: Dict, study_runs: Sequence[str] = ()) -> Shape:
+    """The :class:`Shape` of a recipe's ``model`` section: its dropped and routed layers in the order it lists them,
+    each routed layer's γ as the config pairs them (``routing_config.validate_routing``, through the closed form's
+    reading), and whether skipped tokens write K/V."""
+    architecture = closed_form.model_shape_from_config(model)
+    routing = closed_form.routing_shape_from_model_config(model, architecture.num_layers, architecture.embed_dim)
+    dropped = tuple(_as_listed(model.get("dropped_layers"), routing.dropped_layers))
+    if not routing.routed_layers:
+        return Shape(name, dropped=dropped, study_runs=tuple(study_runs))
+    routed = tuple(_as_listed(model.get("routed_layers"), routing.routed_layers))
+    gamma = routing.gamma_of()
+    return Shape(name, dropped=dropped, routed=routed, capacity=[gamma[layer] for layer in routed],
+                 skipped_tokens_write_kv=routing.skipped_tokens_write_kv, study_runs=tuple(study_runs))
+
+
+@functools.lru_cache(maxsize=None)
+def study_shapes(study: Path = STUDY) -> List[Shape]:
+    """The shapes of ``SHAPE_SOURCES``, resolved from ``study`` and its parts (seconds: every run of the study is
+    resolved)."""
+    from experiments.parts import model_section, resolve_runs
+    from experiments.spec import load_study
+
+    of_study = {run["name"]: run for run in load_study(study, root=REPO)["runs"]}
+    raw = OmegaConf.to_container(OmegaConf.load(study), resolve=True)
+    placements = [{"name": name, "config": "stt", "placement": {**source, "by": PROBE_RANKING}, "use": ["kv"]}
+                  for name, source in SHAPE_SOURCES if isinstance(source, dict)]
+    # resolved with the study's parts and held-out length (the FLOP ratio's), as a run of the study would be
+    probe_only = {run["name"]: run for run in resolve_runs(
+        {"parts": raw.get("parts"), "heldout": raw.get("heldout"), "runs": placements}, study, REPO)}
+
+    def shape_of_run(name: str, run: Dict, study_runs: Sequence[str]) -> Shape:
+        return shape_of_model(name, model_section(REPO / run["config"], run["overrides"]), study_runs)
+
+    shapes = []
+    for name, source in SHAPE_SOURCES:
+        if isinstance(source, dict):
+            shapes.append(shape_of_run(name, probe_only[name], ()))
+            continue
+        missing = [run for run in source if run not in of_study]
+        if missing:
+            raise ValueError(f"shape {name}: {study} has no run {missing}")
+        of_runs = [shape_of_run(name, of_study[run], source) for run in source]
+        differ = [run for run, shape in zip(source, of_runs) if asdict(shape) != asdict(of_runs[0])]
+        if differ:
+            raise ValueError(f"shape {name}: the study's runs {differ} are not in the shape of {source[0]}")
+        shapes.append(of_runs[0])
+    return shapes
+
+
+def __getattr__(name: str):
+    """``SHAPES``: :func:`study_shapes` of the frontier study, resolved when first read."""
+    if name == "SHAPES":
+        return study_shapes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 SELECTIONS = ("oracle", "random")
 STT_AT_INIT = "stt teacher (init)"
 
@@ -223,7 +287,7 @@ def shape_flops_ratio(stt_model: Dict, shape: Shape, seq_len: int) -> float:
                  "capacity": list(shape.capacity), "skipped_tokens_write_kv": shape.skipped_tokens_write_kv,
                  "skip_update": "none"}
     else:
-        model = {key: value for key, value in stt_model.items() if key in closed_form.ARCH_KEYS}
+        model = {key: value for key, value in stt_model.items() if key in ARCH_KEYS}
         model.update(variant="layerdrop" if shape.dropped else "dense", dropped_layers=list(shape.dropped))
     architecture = closed_form.model_shape_from_config(model)
     routing = closed_form.routing_shape_from_model_config(model, architecture.num_layers, architecture.embed_dim)
@@ -287,7 +351,7 @@ def merged(earlier: Dict, new: Dict) -> Dict:
                          f"{ {k: earlier.get(k) for k in differ} } vs { {k: new.get(k) for k in differ} }")
     remeasured = {row["shape"]["name"] for row in new["rows"]}
     rows = [row for row in earlier["rows"] if row["shape"]["name"] not in remeasured] + new["rows"]
-    order = {shape.name: i for i, shape in enumerate(SHAPES)}
+    order = {shape.name: i for i, shape in enumerate(study_shapes())}
     rows.sort(key=lambda row: order.get(row["shape"]["name"], len(order)))  # stable: a shape's rows keep their order
     return {**earlier, "rows": rows}
 
@@ -319,12 +383,12 @@ def main(argv=None):
     cfg = OmegaConf.load(args.config)
     model = load_trained(cfg, cfg.checkpointer.checkpoint_dir)  # the stock pretrained folder
     windows = heldout_windows(config.instantiate(cfg.tokenizer), args.text, args.seq_len, args.windows)
-    shapes = SHAPES
+    shapes = study_shapes()
     if args.only:
-        unknown = sorted(set(args.only) - {shape.name for shape in SHAPES})
+        unknown = sorted(set(args.only) - {shape.name for shape in shapes})
         if unknown:
-            parser.error(f"--only: no shape named {unknown}; known: {[shape.name for shape in SHAPES]}")
-        shapes = [shape for shape in SHAPES if shape.name in args.only]
+            parser.error(f"--only: no shape named {unknown}; known: {[shape.name for shape in shapes]}")
+        shapes = [shape for shape in shapes if shape.name in args.only]
     rows = []
     for shape in shapes:
         for selection in SELECTIONS if shape.routed else ("all",):
