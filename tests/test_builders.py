@@ -8,13 +8,21 @@ import itertools
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 from torchtune.config._utils import _get_component_from_path
 
 from torchtune_dtf.models import qwen2_5
 from torchtune_dtf.models.qwen2_5 import _component_builders, _model_builders
 from torchtune_dtf.models.routing_config import REQUIRED_KEYS, validate_routing
-from torchtune_dtf.models.routing_presets import DEPLOYED_STUDENT, ROUTING_PRESETS, mod_routing, sdt_routing, stt_routing
+from torchtune_dtf.models.routing_presets import (
+    DEPLOYED_STUDENT,
+    ROUTING_PRESETS,
+    mod_routing,
+    recommended_smollm2_routing,
+    sdt_routing,
+    stt_routing,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
@@ -189,6 +197,30 @@ def test_presets_are_complete_fresh_and_checked():
         mod_routing(prior_factor=0.1)
     with pytest.raises(ValueError, match="'sdt': capacty"):
         sdt_routing(capacty=0.5)
+
+
+RECOMMENDED_CONFIGS = [(level, f"quickstart/{kind}recommended_{level.replace('.', '_')}_smollm2.yaml")
+                       for level in ("0.90", "0.81", "0.72") for kind in ("", "eval_", "generate_")]
+
+
+@pytest.mark.parametrize("level, path", RECOMMENDED_CONFIGS, ids=[p for _, p in RECOMMENDED_CONFIGS])
+def test_recommended_presets_equal_the_shipped_recommended_configs(level, path):
+    model = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / path).model, resolve=True)
+    routing = {key: value for key, value in model.items() if key in REQUIRED_KEYS["stt"]}
+    deployed = "/eval_" in path or "/generate_" in path
+    preset = recommended_smollm2_routing(level, **(DEPLOYED_STUDENT if deployed else {}))
+    assert model["variant"] == "stt" and preset == routing and tuple(preset) == REQUIRED_KEYS["stt"]
+    arch = {key: model[key] for key in qwen2_5.ARCHITECTURE_KEYS}
+    with torch.device("meta"):  # builds, so the preset is a complete, valid set for this architecture
+        built = qwen2_5.routed_qwen2("stt", **arch, **preset)
+    assert sorted(built.routing_layer_indices) == sorted(routing["routed_layers"])
+    preset["dropped_layers"].append(0)  # a new dict (and lists) each call
+    assert 0 not in recommended_smollm2_routing(level)["dropped_layers"]
+
+
+def test_an_unknown_recommended_level_is_named():
+    with pytest.raises(ValueError, match="unknown recommended level '0.5'; known: 0.90, 0.81, 0.72"):
+        recommended_smollm2_routing("0.5")
 
 
 def test_preset_docstring_example_builds():

@@ -6,7 +6,10 @@ keyword dict, optionally with some values changed. ``tests/test_builders.py`` ch
 the ``model:`` routing values of ``configs/{mod,sdt,stt}_qwen0_5b.yaml`` and their LoRA twins (and, with
 :data:`DEPLOYED_STUDENT`, of their eval and generate twins), so the presets and the configs cannot drift apart.
 
-The presets are the shipped configs, not the papers' settings: they route ``every_other_inner`` (the papers:
+:func:`recommended_smollm2_routing` returns the study's recommended recipes for the quickstart model
+(``configs/quickstart/recommended_*_smollm2.yaml`` and their eval and generate twins, checked the same way).
+
+The variant presets are the shipped configs, not the papers' settings: they route ``every_other_inner`` (the papers:
 ``every_other``, which routes the last layer), always run the first token (papers: not), and SDT/STT use the
 ``straight_through`` gate (papers: ``scaled``); see the README.
 
@@ -115,6 +118,46 @@ def stt_routing(**overrides: Any) -> Dict[str, Any]:
 DEPLOYED_STUDENT: Mapping[str, Any] = MappingProxyType(
     dict(student_routing_mode="window_topk", student_threshold=None, student_window=64)
 )
+
+# The study's recommended recipes for the quickstart model (SmolLM2-135M shape, 30 layers), as
+# configs/quickstart/recommended_{0_90,0_81,0_72}_smollm2.yaml train them: STT with whole layers dropped and the
+# next ones routed with K/V kept, both chosen by `python -m torchtune_dtf.plan` on the quickstart's training text
+# (the planner's first line in each config), a 64-wide two-token causal router, and the skip bias (≈ 0.90, ≈ 0.81)
+# or the TPN's forecast (≈ 0.72) for skipped tokens. Layer indices are this model's: plan another model your own.
+_RECOMMENDED_STT = dict(_STT, causal_router_hidden_dim=64, skipped_tokens_write_kv=True, skip_update="bias")
+_RECOMMENDED_SMOLLM2 = {
+    "0.90": dict(_RECOMMENDED_STT, routed_layers=(12, 16), capacity=0.625, dropped_layers=(14, 13, 17, 15)),
+    "0.81": dict(_RECOMMENDED_STT, routed_layers=(16, 25, 26, 11, 18, 2), capacity=0.5,
+                 dropped_layers=(14, 13, 17, 15, 12)),
+    "0.72": dict(_RECOMMENDED_STT, routed_layers=(25, 26, 11, 18, 2, 4, 5, 10, 3, 9), capacity=0.5,
+                 dropped_layers=(14, 13, 17, 15, 12, 16), skip_update="predicted"),
+}
+#: FLOP levels of the recommended recipes (closed-form forward FLOPs against dense, rounded).
+RECOMMENDED_LEVELS = tuple(_RECOMMENDED_SMOLLM2)
+
+
+def recommended_smollm2_routing(level: str, **overrides: Any) -> Dict[str, Any]:
+    """The STT routing arguments of the study's recommended recipe at ``level`` for the quickstart model
+    (``configs/quickstart/recommended_{level}_smollm2.yaml``), with ``overrides`` applied; with
+    ``**DEPLOYED_STUDENT`` as overrides, those of its eval and generate twins.
+
+    Args:
+        level (str): ``"0.90"``, ``"0.81"`` or ``"0.72"`` (forward FLOPs against dense).
+        **overrides: STT routing arguments to change.
+
+    Returns:
+        Dict[str, Any]: a new dict with every STT routing argument, for ``routed_qwen2("stt", ...)`` with the
+        SmolLM2-135M architecture (the configs' ``model`` sections list it).
+
+    Raises:
+        ValueError: for an unknown level or an override that is not an STT routing argument.
+    """
+    if level not in _RECOMMENDED_SMOLLM2:
+        raise ValueError(f"unknown recommended level {level!r}; known: {', '.join(RECOMMENDED_LEVELS)}")
+    recipe = _RECOMMENDED_SMOLLM2[level]
+    return _preset("stt", {**recipe, "routed_layers": list(recipe["routed_layers"]),
+                           "dropped_layers": list(recipe["dropped_layers"])}, overrides)
+
 
 #: Preset of each routed variant, by name.
 ROUTING_PRESETS: Dict[str, Callable[..., Dict[str, Any]]] = {"mod": mod_routing, "sdt": sdt_routing, "stt": stt_routing}
