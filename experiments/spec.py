@@ -25,6 +25,8 @@ Study file (YAML)
     claims_runs: [stt_papers]                          # optional: the runs claims.png draws (default: every SDT/STT
                                                        # run; a study of many recipes names the papers' setting)
     claims: {stt: stt_papers}                          # optional: run names by role for experiments/frontier/claims.py
+                                                       # and targets.py (dense, papers, and ablations: {run without
+                                                       # any technique: {technique: run with it}})
     runs:
       - name: dense
         config: configs/quickstart/dense_smollm2.yaml
@@ -54,6 +56,23 @@ from experiments import StudyError
 def run_id(name: str, seed: int) -> str:
     """The file and folder name of one (run, seed): ``<run>__seed<k>``."""
     return f"{name}__seed{seed}"
+
+
+def _claims_problems(claims: Any, names: List[str]) -> List[str]:
+    """What is wrong with a ``claims`` section: run names by role, and ``ablations``: {run: {technique: run}}."""
+    if not isinstance(claims, dict):
+        return [f"claims must map roles to run names, got {claims!r}"]
+    ablations = claims.get("ablations", {})
+    roles = {role: run for role, run in claims.items() if role != "ablations"}
+    if not all(isinstance(run, str) for run in roles.values()):
+        return [f"claims must map roles to run names, got {claims!r}"]
+    if not isinstance(ablations, dict) or not all(
+            isinstance(techniques, dict) and all(isinstance(run, str) for run in techniques.values())
+            for techniques in ablations.values()):
+        return [f"claims.ablations must map a run to {{technique: the run with it}}, got {ablations!r}"]
+    named = set(roles.values()) | set(ablations) | {run for runs in ablations.values() for run in runs.values()}
+    unknown = sorted(named - set(names))
+    return [f"claims {unknown} are not run names"] if unknown else []
 
 
 def _runs_from(source: Any, root: Path, path: Path) -> List[Dict[str, Any]]:
@@ -139,11 +158,7 @@ def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
     if unknown:
         problems.append(f"claims_runs {unknown} are not run names")
     if "claims" in study:
-        claims = study["claims"]
-        if not isinstance(claims, dict) or not all(isinstance(v, str) for v in claims.values()):
-            problems.append(f"claims must map roles to run names, got {claims!r}")
-        elif sorted(set(claims.values()) - set(names)):
-            problems.append(f"claims {sorted(set(claims.values()) - set(names))} are not run names")
+        problems += _claims_problems(study["claims"], names)
     if problems:
         raise StudyError(f"{path}: " + "; ".join(problems))
     study["_root"] = str(root)

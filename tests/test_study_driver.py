@@ -593,6 +593,65 @@ def test_frontier_targets_need_three_seeds_two_standard_errors_and_the_same_flop
     assert "Off budget" in markdown and "`mod_far` 0.600" in markdown
 
 
+def test_frontier_targets_read_dense_papers_and_the_ablations_from_the_studys_claims(tmp_path):
+    # The roles targets.py reads come from the study's claims: section, not from run names: here the dense control,
+    # the papers' setting and one ablation pair are named otherwise; the papers' run is never a candidate recipe.
+    _write_hand_made_runs(tmp_path, {"control": ("dense", 1.0, [4.0, 4.1, 4.2]),
+                                     "layerdrop_7": ("layerdrop", 0.81, [4.5, 4.6, 4.7]),
+                                     "setting": ("stt", 0.81, [4.3, 4.4, 4.5]),
+                                     "stt_x": ("stt", 0.80, [4.6, 4.7, 4.8]),
+                                     "stt_x_plus": ("stt", 0.80, [4.5, 4.6, 4.7]),
+                                     "stt_50": ("stt", 0.80, [5.0, 5.0, 5.0]),
+                                     "stt_50_kv": ("stt", 0.80, [4.9, 4.9, 4.9])})
+    for run in (tmp_path / "runs").iterdir():  # the ablation table also reads KV bytes
+        result = json.loads(run.read_text())
+        result["compute"]["kv_bytes_ratio"] = 0.75
+        run.write_text(json.dumps(result))
+    claims_section = {"dense": "control", "papers": "setting", "ablations": {"stt_x": {"kv": "stt_x_plus"}}}
+    (tmp_path / "study.json").write_text(json.dumps({"claims": claims_section}))
+    markdown = targets.targets_table(tmp_path)
+    assert "| 0.81 | closes ≥ 70 % of papers→dense gap | stt_x_plus vs setting, control | " in markdown
+    assert not any(line.split("|")[3].strip().startswith("setting") for line in markdown.splitlines()
+                   if line.startswith("| 0.81 | best"))  # lower than every recipe, but the papers' setting
+    ablations = [line for line in markdown.split("Technique ablations")[1].split("The price of compute")[0].splitlines()
+                 if line.startswith("| `")]
+    assert ablations == ["| `stt_x_plus` | skipped tokens write K/V | 0.800 vs 0.800 | 0.750 | -0.100 ± 0.000 se "
+                         "(n = 3) | answered: the technique lowers the loss |"]  # stt_50_kv is not named: no row
+    prices = markdown.split("The price of compute")[1]
+    assert "`control`" not in prices and "`stt_x` | 0.800 | +3.000" in prices  # (4.6 − 4.0) / 0.2, paired with control
+    # a claims section that names no papers' run is refused by name; an unknown technique too
+    (tmp_path / "study.json").write_text(json.dumps({"claims": {"dense": "control"}}))
+    with pytest.raises(ValueError, match=r"names no run for \['papers'\]"):
+        targets.targets_table(tmp_path)
+    (tmp_path / "study.json").write_text(json.dumps({"claims": {**claims_section,
+                                                                "ablations": {"stt_x": {"kv2": "stt_x_plus"}}}}))
+    with pytest.raises(ValueError, match=r"claims.ablations names techniques \['kv2'\]"):
+        targets.targets_table(tmp_path)
+    # the frontier study names its own: the nine technique ablations of the papers' setting
+    frontier = targets.study_claims(REPO / "experiments" / "frontier")
+    assert (frontier["dense"], frontier["papers"]) == ("dense", "stt_papers_50")
+    assert sorted(run for runs in frontier["ablations"].values() for run in runs.values()) == [
+        "mod_50_all", "mod_50_curr", "mod_50_distill", "mod_50_kv",
+        "stt_50_all", "stt_50_curr", "stt_50_distill", "stt_50_kv", "stt_50_pred"]
+
+
+def test_a_claims_section_names_runs_and_ablations_of_runs(tmp_path):
+    path = tmp_path / "study.yaml"
+    spec = {"name": "s", "out_dir": "o", "work_dir": "w", "seeds": [0], "heldout": {"file": "h", "windows": 1,
+            "seq_len": 8}, "runs": [{"name": "a", "config": "c.yaml"}, {"name": "b", "config": "c.yaml"}]}
+    path.write_text(json.dumps({**spec, "claims": {"dense": "a", "ablations": {"a": {"kv": "b"}}}}))
+    assert load_study(path, root=tmp_path)["claims"]["ablations"] == {"a": {"kv": "b"}}
+    path.write_text(json.dumps({**spec, "claims": {"dense": "a", "ablations": {"a": {"kv": "nope"}}}}))
+    with pytest.raises(StudyError, match=r"claims \['nope'\] are not run names"):
+        load_study(path, root=tmp_path)
+    path.write_text(json.dumps({**spec, "claims": {"dense": "a", "ablations": {"a": ["b"]}}}))
+    with pytest.raises(StudyError, match=r"claims.ablations must map a run to \{technique: the run with it\}"):
+        load_study(path, root=tmp_path)
+    path.write_text(json.dumps({**spec, "claims": {"dense": ["a"]}}))
+    with pytest.raises(StudyError, match=r"claims must map roles to run names"):
+        load_study(path, root=tmp_path)
+
+
 def test_frontier_targets_check_another_study_folder_from_the_command_line(tmp_path):
     # `targets.py --study DIR --write` judges that study's runs (e.g. the 200-step budget study) and writes its
     # targets.md there, not into the frontier folder; a folder without runs/ is refused by name.

@@ -48,7 +48,6 @@ The claims (paper section; ``sdt_stt_paper.txt`` lines 238–289):
    loss above 0 beyond 2 se, for each of MoD, SDT, STT fixed and dynamic.
 """
 
-import json
 import math
 import statistics
 import sys
@@ -153,16 +152,9 @@ def verdict(pd, claimed_sign: int, no_worse: bool = False) -> str:
 
 def claim_runs(out_dir: Path) -> Dict[str, str]:
     """The run of each role (``ROLES``) the claims are tested on: the ``claims`` section of the study ``out_dir``
-    holds (from its ``study.json``, else from the study file that names as its source), else the frontier study's."""
-    from omegaconf import OmegaConf
-
-    spec_path = Path(out_dir) / "study.json"
-    spec = json.loads(spec_path.read_text()) if spec_path.is_file() else {}
-    sections = [spec.get("claims")]
-    for source in (spec.get("source"), HERE / "study.yaml"):
-        if source and Path(source).is_file():
-            sections.append(OmegaConf.to_container(OmegaConf.load(source)).get("claims"))
-    roles = next(section for section in sections if section)  # the frontier study's always has one
+    holds (from its ``study.json``, else from the study file that names as its source), else the frontier study's
+    (``targets.study_claims``, which targets.py reads its roles from too)."""
+    roles = targets.study_claims(out_dir)  # the frontier study's always has one
     missing = [role for role in ROLES if role not in roles]
     if missing:
         raise ValueError(f"the study's claims section names no run for {missing} (roles: {list(ROLES)})")

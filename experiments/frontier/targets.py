@@ -30,6 +30,12 @@ comparisons are paired by seed, and a target is "met" only with three seeds and 
 4. surprise (best SDT/STT) vs MoD (best MoD) at each level: the paired difference, either way; and for every
    SDT/STT run whose recipe also ran with MoD (``stt_X`` and ``mod_X``), that same-recipe difference.
 
+The study names the runs of two roles in its ``claims:`` section (``study_claims``: the study folder's
+``study.json``, else the study file it was run from, else the frontier study's, as for ``claims.py``): ``dense``, and
+``papers``, the papers' setting (γ 0.5 on every other inner layer, no technique: ``stt_papers_50``), which target 2
+measures from and which is never a candidate recipe; its ``ablations`` name the technique ablations of the last
+tables (``{run without any technique: {technique: run with it}}``).
+
 A diagnostic row, not a target, follows each level's layer-dropping comparison: the same best recipe's
 *teacher* (the training router, which needs the dense pass and is not deployed) against layer dropping, which
 tells whether the routing decision or the causal student that imitates it is what loses. The teacher is
@@ -39,11 +45,12 @@ not carry the teacher's fractions. A last table puts every routed run against la
 
 import argparse
 import functools
+import json
 import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Dict, List, Mapping, Optional
 
 HERE = Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:
@@ -57,6 +64,32 @@ LEVELS = ("0.90", "0.81", "0.72")  # fractions of dense forward FLOPs
 TOLERANCE = 0.03
 ROUTED = ROUTED_VARIANTS  # the variants that route tokens (mod, sdt, stt): one list, the driver's
 SEEDS_NEEDED = 3
+TARGET_ROLES = ("dense", "papers")  # the runs targets_table reads by role from the study's claims section
+
+
+def study_claims(out_dir: Path) -> Dict[str, Any]:
+    """The ``claims`` section (runs by role) of the study whose runs ``out_dir`` holds: its ``study.json``'s, else
+    that of the study file it names as its source, else the frontier study's (``study.yaml`` beside this script);
+    empty when none has one."""
+    from omegaconf import OmegaConf
+
+    spec_path = Path(out_dir) / "study.json"
+    spec = json.loads(spec_path.read_text()) if spec_path.is_file() else {}
+    sections = [spec.get("claims")]
+    for source in (spec.get("source"), HERE / "study.yaml"):
+        if source and Path(source).is_file():
+            sections.append(OmegaConf.to_container(OmegaConf.load(source)).get("claims"))
+    return next((section for section in sections if section), {})
+
+
+def target_roles(out_dir: Path) -> Dict[str, Any]:
+    """The study's claims section, checked to name a run for each of ``TARGET_ROLES``."""
+    roles = study_claims(out_dir)
+    missing = [role for role in TARGET_ROLES if role not in roles]
+    if missing:
+        raise ValueError(f"the study's claims section names no run for {missing} (targets.py reads "
+                         f"{list(TARGET_ROLES)} and ablations)")
+    return roles
 
 
 def flops_ratio(results) -> float:
@@ -173,10 +206,12 @@ def which_wins(pd, below: str = "surprise routing lower", above: str = "MoD lowe
 def targets_table(out_dir: Path) -> str:
     """The Markdown table of every target on the run JSONs under ``out_dir/runs``."""
     _, runs = load_results(out_dir)
+    roles = target_roles(out_dir)
+    dense_run, papers_run = roles["dense"], roles["papers"]
     losses = {name: by_seed(results) for name, results in runs.items()}
     teacher_losses = {name: by_seed(results, "teacher_loss") for name, results in runs.items()}
     variant = {name: results[0]["variant"] for name, results in runs.items()}
-    dense = losses.get("dense", {})
+    dense = losses.get(dense_run, {})
     lines = ["| level | target | runs | numbers | verdict |", "|---|---|---|---|---|"]
     off_budget = [n for n in losses if variant[n] in ROUTED and level_of(runs[n]) is None]
     families = {kind: [n for n in losses if variant[n] in (kind, "dense")] for kind in ("layerdrop", "random")}
@@ -205,7 +240,7 @@ def targets_table(out_dir: Path) -> str:
         return True
 
     for level in LEVELS:
-        routed = [n for n in losses if variant[n] in ROUTED and level_of(runs[n]) == level and "papers" not in n]
+        routed = [n for n in losses if variant[n] in ROUTED and level_of(runs[n]) == level and n != papers_run]
         if not routed:
             lines.append(f"| {level} | all | – | no routed run yet | not yet |")
             continue
@@ -236,30 +271,31 @@ def targets_table(out_dir: Path) -> str:
                     lines.append(f"| {level} | diagnostic: its teacher (not deployed) vs {name} | {candidate} "
                                  f"teacher − {name} {where} | {fmt(pd)} | {answered} |")
         if level == "0.81":
-            papers = losses.get("stt_papers_50", {})
+            papers = losses.get(papers_run, {})
             for candidate in candidates:
                 seeds = sorted(set(papers) & set(dense) & set(losses[candidate]))
                 if seeds:
                     closed = [(papers[s] - losses[candidate][s]) / (papers[s] - dense[s]) for s in seeds]
                     mean = statistics.fmean(closed)
-                    lines.append(f"| 0.81 | closes ≥ 70 % of papers→dense gap | {candidate} vs stt_papers_50, dense | "
-                                 f"{mean:.0%} closed (n = {len(seeds)}) | {verdict(mean >= 0.70, len(seeds))} |")
+                    lines.append(f"| 0.81 | closes ≥ 70 % of papers→dense gap | {candidate} vs {papers_run}, "
+                                 f"{dense_run} | {mean:.0%} closed (n = {len(seeds)}) | "
+                                 f"{verdict(mean >= 0.70, len(seeds))} |")
                 else:
-                    lines.append(f"| 0.81 | closes ≥ 70 % of papers→dense gap | {candidate} | stt_papers_50 or dense "
-                                 "missing | not yet |")
+                    lines.append(f"| 0.81 | closes ≥ 70 % of papers→dense gap | {candidate} | {papers_run} or "
+                                 f"{dense_run} missing | not yet |")
         if level == "0.90" and dense:
             deployable = [n for n in routed if flops_ratio(runs[n]) <= float(level) and beats_both_baselines(n)]
             if deployable:
                 chosen = min(deployable, key=lambda n: statistics.fmean(losses[n].values()))
                 label = (f"within 0.10 nats of dense (lowest loss at ≤ {level} FLOPs among the recipes that beat "
                          "both baselines)")
-                runs_cell = f"{chosen} − dense (at {flops_ratio(runs[chosen]):.3f})"
+                runs_cell = f"{chosen} − {dense_run} (at {flops_ratio(runs[chosen]):.3f})"
             else:
                 # The issue's words alone (the best recipe within 0.10 of dense), flagged in the label: no recipe
                 # here is yet one worth deploying over layer dropping and random routing.
                 label = (f"within 0.10 nats of dense (best by margin: no recipe at ≤ {level} FLOPs beats both "
                          "baselines on 3 seeds)")
-                chosen, runs_cell = best, f"{best} − dense"
+                chosen, runs_cell = best, f"{best} − {dense_run}"
             pd = paired(losses[chosen], dense)
             ok = pd["mean"] is not None and pd["mean"] < 0.10
             lines.append(f"| 0.90 | {label} | {runs_cell} | {fmt(pd)} | {verdict(ok, pd['n'])} |")
@@ -293,8 +329,8 @@ def targets_table(out_dir: Path) -> str:
                 baseline, _ = matched(name, families["layerdrop"], runs, losses, at)
                 teacher, teacher_at = fmt(paired(teacher_losses[name], baseline)), f"{statistics.fmean(at.values()):.3f}"
             lines.append(f"| `{name}` | {flops_ratio(runs[name]):.3f} | {student} | {teacher_at} | {teacher} |")
-    lines += technique_ablations(runs, losses)
-    lines += price_of_compute(runs, losses, variant)
+    lines += technique_ablations(runs, losses, roles.get("ablations") or {})
+    lines += price_of_compute(runs, losses, variant, dense_run)
     if off_budget:
         lines += ["", "Off budget (mean forward FLOPs ratio not within ±0.03 of a level): "
                   + ", ".join(f"`{n}` {flops_ratio(runs[n]):.3f}" for n in off_budget)]
@@ -305,14 +341,21 @@ TECHNIQUES = {"kv": "skipped tokens write K/V", "pred": "predicted skip update",
               "distill": "distillation", "all": "every technique the variant has"}
 
 
-def technique_ablations(runs, losses) -> List[str]:
-    """Each technique alone, and all of them, against the same variant without any (``<variant>_50_<technique>``
-    − ``<variant>_50``, γ 0.5 on every other inner layer): the issue's ablation on STT and MoD."""
+def technique_ablations(runs, losses, ablations: Optional[Mapping[str, Mapping[str, str]]] = None) -> List[str]:
+    """Each technique alone, and all of them, against the same variant without any (on the frontier, ``stt_50_kv``
+    − ``stt_50``, γ 0.5 on every other inner layer): the issue's ablation on STT and MoD. ``ablations``: the study's
+    ``claims.ablations``, {run without any technique: {technique: run with it}} (default: the frontier study's); a
+    row for each pair with runs landed, by the name of the run with the technique."""
+    if ablations is None:
+        ablations = study_claims(HERE).get("ablations") or {}
+    pairs = sorted((name, base, technique) for base, techniques in ablations.items()
+                   for technique, name in techniques.items())
+    unknown = sorted({technique for _, _, technique in pairs} - set(TECHNIQUES))
+    if unknown:
+        raise ValueError(f"claims.ablations names techniques {unknown}; known: {sorted(TECHNIQUES)}")
     rows = []
-    for name in sorted(losses):
-        variant, _, technique = name.partition("_50_")
-        base = f"{variant}_50"
-        if variant not in ROUTED or technique not in TECHNIQUES or base not in losses:
+    for name, base, technique in pairs:
+        if name not in losses or base not in losses:
             continue
         pd = paired(losses[name], losses[base])
         kv = statistics.fmean(r["compute"]["kv_bytes_ratio"] for r in runs[name])
@@ -328,11 +371,11 @@ def technique_ablations(runs, losses) -> List[str]:
             "|---|---|---|---|---|---|"] + rows
 
 
-def price_of_compute(runs, losses, variant) -> List[str]:
+def price_of_compute(runs, losses, variant, dense_run: str = "dense") -> List[str]:
     """What each unit of forward FLOPs saved costs in held-out loss: per seed (student − dense) / (1 − FLOPs ratio),
     for layer dropping and every routed run. A recipe beats layer dropping at a level only where its price there
     is below layer dropping's average price at the same FLOPs, which rises with every layer dropped."""
-    dense = losses.get("dense", {})
+    dense = losses.get(dense_run, {})
     names = [n for n in losses if variant[n] in ROUTED + ("layerdrop",)]
     if not dense or not names:
         return []
