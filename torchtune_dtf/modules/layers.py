@@ -90,9 +90,27 @@ def sequence_starts(positions: torch.Tensor, mask: Optional[torch.Tensor], offse
     if mask is None:
         return starts
     seq_len = positions.shape[1]
+    if seq_len == 1 and isinstance(offset, torch.Tensor):
+        # A decode step: the token's slot is ``offset``, so its predecessor's column of the mask is read directly
+        # (the same value as the general path's index arrays, in a few operators).
+        previous = (offset - 1).clamp(min=0).view(1)
+        sees_previous = mask.index_select(2, previous)[:, :, 0]
+        return starts | ~(sees_previous & (offset > 0))
     slots = offset + torch.arange(seq_len, device=positions.device)
     sees_previous = mask[:, torch.arange(seq_len, device=mask.device), (slots - 1).clamp(min=0)]
     return starts | ~(sees_previous & (slots > 0))
+
+
+def _every_row_skipped(selection: Selection, batch: int) -> Optional[bool]:
+    """For a decode step (one token per row), True when no row runs the block and False when every row does, as
+    the host knows from the number of running rows; None otherwise (mixed rows, or not a decode step).
+
+    The skip path's update (skip bias, forecast) is then added to every token or to none, instead of being
+    multiplied by the skip mask: the same values (times 1, or an added ±0) without the mask's operators."""
+    if selection.rows is None:
+        return None
+    running = selection.rows.shape[0]
+    return True if running == 0 else False if running == batch else None
 
 
 def _dense_forward(layer: TransformerSelfAttentionLayer, x, mask, input_pos) -> torch.Tensor:
@@ -277,7 +295,27 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         self, x: torch.Tensor, starts: torch.Tensor, cache: Optional[SelectiveKVCache]
     ) -> torch.Tensor:
         """Causal router logits ``[b, s]`` (fp32) from detached inputs (the student never trains the backbone)."""
-        return self.causal_router(x.detach(), starts, None if cache is None else cache.last_input)
+        if cache is None:
+            return self.causal_router(x.detach(), starts)
+        return self.causal_router(x.detach(), starts, cache.last_input, folded=self._router_weights(cache))
+
+    def _router_weights(self, cache: SelectiveKVCache):
+        """The causal router's folded weights for this generation, kept in ``cache`` (computed on its first
+        forward, forgotten when the cache is reset), or None to compute them in the call.
+
+        A cache is only valid for the weights that wrote its K/V, so what is derived from the weights alone
+        lives as long. Not kept when compiled (the graph computes them, reading nothing the guards would
+        have to follow) or when autograd would need them (a gradient through the router)."""
+        router = self.causal_router
+        if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and any(p.requires_grad for p in router.parameters())
+        ):
+            return None
+        if cache.derived_weights is None:
+            # Normal tensors even inside inference_mode: the cache may serve a later forward outside it.
+            with torch.inference_mode(False), torch.no_grad():
+                cache.derived_weights = router.folded_weights()
+        return cache.derived_weights
 
     def topk_by_sequence(
         self,
@@ -446,18 +484,24 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             cache=cache,
             skipped_tokens_write_kv=self.skipped_tokens_write_kv,
         )
+        every_row_skipped = _every_row_skipped(selection, batch)
         if self.skip_update == "predicted":
             # Token t's forecast reads token t−1's output without its own forecast: one parallel pass, causal.
             previous = previous_token_states(out, starts, None if cache is None else cache.last_output)
             if cache is not None:
                 cache.carry_output(out)
             skipped = skipped_selection(selection)
-            if skipped is None:
+            if every_row_skipped is not None:  # a decode step in which all rows skipped, or all ran
+                out = out + self.skip_forecast(previous) if every_row_skipped else out
+            elif skipped is None:
                 out = out + self.skip_forecast(previous) * (~selection.mask)[..., None].to(out.dtype)
             elif skipped.num_selected:  # the forecast runs on the skipped tokens only
                 out = scatter_updates(out, skipped, self.skip_forecast(gather_tokens(previous, skipped.positions)))
         elif self.skip_update == "bias":
-            out = out + self.skip_bias().to(out.dtype) * (~selection.mask)[..., None].to(out.dtype)
+            if every_row_skipped is None:
+                out = out + self.skip_bias().to(out.dtype) * (~selection.mask)[..., None].to(out.dtype)
+            elif every_row_skipped:
+                out = out + self.skip_bias().to(out.dtype)
         if cache is not None:
             cache.advance(x)
         if routing.mode == "student":  # the deployed router only (see routing_counts)
@@ -549,7 +593,11 @@ class DroppedLayer(TransformerSelfAttentionLayer):
         self.attn.setup_cache(batch_size, dtype, max_seq_len=1)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        return x if self.skip_bias is None else x + self.skip_bias().to(x.dtype)
+        # Nothing but the one add (a decode step runs this per dropped layer): no norm, no cache, no conversion.
+        if self.skip_bias is None:
+            return x
+        bias = self.skip_bias()
+        return x + (bias if bias.dtype == x.dtype else bias.to(x.dtype))
 
 
 class _SurpriseRoutedLayer(RoutedSelfAttentionLayer):

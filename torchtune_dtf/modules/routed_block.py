@@ -77,7 +77,10 @@ def _attention_mask(
     if mask is None:
         allowed = key_slots[:, None, :] <= query_slots[:, :, None]
     else:
-        rows_of_queries = torch.gather(mask, 1, query_index[..., None].expand(-1, -1, mask.shape[-1]))
+        if mask.shape[1] == 1:  # a chunk of one token (a decode step): every query is that token, its one mask row
+            rows_of_queries = mask.expand(-1, query_index.shape[1], -1)
+        else:
+            rows_of_queries = torch.gather(mask, 1, query_index[..., None].expand(-1, -1, mask.shape[-1]))
         allowed = torch.gather(rows_of_queries, 2, key_slots[:, None, :].expand(-1, query_index.shape[1], -1))
     if key_valid is not None:
         allowed = allowed & key_valid[:, None, :]
@@ -178,26 +181,28 @@ def routed_block_forward(
     rows = selection.rows
     if rows is not None and rows.shape[0] == 0:
         return x
+    rows = _fewer_rows(rows, x.shape[0])
     x_rows = x if rows is None else x[rows]
     positions = positions if rows is None else positions[rows]
     mask = mask if (rows is None or mask is None) else mask[rows]
     query_index = selection.positions
     valid = selection.valid
 
-    xs = gather_tokens(x_rows, query_index)
+    if _one_token_per_row(selection, x):
+        xs, query_positions = x_rows, positions  # each row's one token is the selected one
+    else:
+        xs, query_positions = gather_tokens(x_rows, query_index), gather_tokens(positions, query_index)
     h = layer.sa_norm(xs)
-    query_positions = gather_tokens(positions, query_index)
     q = _project_queries(layer, h, query_positions)
     key, value = _project_keys_values(layer, h, query_positions)
 
     attn_mask, is_causal = None, False
     chunks = query_chunks(query_index.shape[1])
     if cache is not None:
-        row_ids = torch.arange(x.shape[0], device=x.device) if rows is None else rows
         query_slots = cache.layout_slots(query_index)
         # A query's last key is its own entry (the cache stores entries in time order).
-        last_entry = cache.append(row_ids, key, value, query_slots, valid)
-        key, value, key_slots, key_valid = cache.entries(row_ids)
+        last_entry = cache.append(rows, key, value, query_slots, valid)
+        key, value, key_slots, key_valid = cache.entries(rows)
         attn_mask = _attention_mask(mask, query_index, query_slots, key_slots, key_valid)
         key_bounds = chunk_key_bounds(chunks, last_entry, valid, key.shape[2], static_bounds=None)
     elif mask is None and valid is None:
@@ -214,6 +219,19 @@ def routed_block_forward(
     if rows is None:
         return out_rows
     return x.index_copy(0, rows, out_rows)
+
+
+def _fewer_rows(rows: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+    """A decode step's running ``rows`` when they are fewer than the ``batch``; None when every row runs (the
+    rows are ascending and distinct, so all ``batch`` of them are every row in order): the rows' tensors are
+    then the batch's own, no copy gathered and none copied back."""
+    return rows if rows is not None and rows.shape[0] < batch else None
+
+
+def _one_token_per_row(selection: Selection, x: torch.Tensor) -> bool:
+    """True when each row of ``x [r, 1, d]`` selects its only token (a decode step): gathering the selected
+    tokens returns the tensors themselves, so the gathers are skipped."""
+    return x.shape[1] == 1 and selection.num_selected == 1 and selection.valid is None
 
 
 def _forward_with_all_keys(
@@ -234,25 +252,27 @@ def _forward_with_all_keys(
     slots = torch.arange(seq_len, device=x.device).expand(batch, seq_len)
     key_valid = None
     if cache is not None:
-        all_rows = torch.arange(batch, device=x.device)
         slots = cache.layout_slots(slots)
-        cache.append(all_rows, key, value, slots)
+        cache.append(None, key, value, slots)  # every row
     if selection.num_selected == 0:
         return x
-    rows = selection.rows
+    if selection.rows is not None and selection.rows.shape[0] == 0:
+        return x
+    rows = _fewer_rows(selection.rows, batch)
     if rows is not None:  # decoding: queries, MLP and update of the rows that run only
-        if rows.shape[0] == 0:
-            return x
         x_rows, h_rows, positions = x[rows], h_all[rows], positions[rows]
         mask = None if mask is None else mask[rows]
         gate = None if gate is None else gate[rows]
     else:
         x_rows, h_rows = x, h_all
     if cache is not None:
-        key, value, slots, key_valid = cache.entries(all_rows if rows is None else rows)
+        key, value, slots, key_valid = cache.entries(rows)
     query_index = selection.positions
-    xs = gather_tokens(x_rows, query_index)
-    q = _project_queries(layer, gather_tokens(h_rows, query_index), gather_tokens(positions, query_index))
+    if _one_token_per_row(selection, x):
+        xs, q = x_rows, _project_queries(layer, h_rows, positions)  # each row's one token is the selected one
+    else:
+        xs = gather_tokens(x_rows, query_index)
+        q = _project_queries(layer, gather_tokens(h_rows, query_index), gather_tokens(positions, query_index))
     query_slots = query_index if cache is None else cache.layout_slots(query_index)
     attn_mask = _attention_mask(mask, query_index, query_slots, slots, key_valid)
     # Every token of every row is a key, stored in slot order, so a query's last key is at its own slot.

@@ -7,7 +7,7 @@
   Its inputs are detached by the caller so the student never pulls on the backbone (docs/design.md §3.4, §3.8).
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,13 @@ from torch import nn
 from torchtune.modules import RMSNorm
 
 from torchtune_dtf.modules.routing_module import RoutingModule
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without calling the operator when ``t`` already has the dtype (``to`` would return ``t``
+    itself): the router runs on one token per layer and decode step, where each operator call costs more than
+    the arithmetic."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def previous_token_states(
@@ -86,18 +93,41 @@ class CausalRouter(RoutingModule):
             nn.init.normal_(layer.weight, mean=0.0, std=self.init_std)
             nn.init.zeros_(layer.bias)
 
-    def _normed_projection(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """(RMSNorm(x)·weightᵀ) ``[..., h]`` for ``x [..., d]`` and ``weight [h, d]``.
+    def _normed_projection(self, x: torch.Tensor, folded_weight: torch.Tensor) -> torch.Tensor:
+        """(RMSNorm(x)·weightᵀ) ``[..., h]`` for ``x [..., d]``, given ``folded_weight [h, d]`` = weight ⊙ scale
+        (:meth:`folded_weights`).
 
         RMSNorm(x) = (x / rms(x)) ⊙ scale, so the product equals (x·(weight ⊙ scale)ᵀ) / rms(x): the
         per-feature scale is folded into the (small) weight and the per-token 1/rms is applied to the
         h-wide result, instead of writing two normalised ``[..., d]`` copies of the input.
         """
-        inv_rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.norm.eps)
-        return F.linear(x, weight * self.norm.scale.to(weight.dtype)) * inv_rms.to(x.dtype)
+        inv_rms = torch.rsqrt(_as_dtype(x, torch.float32).pow(2).mean(-1, keepdim=True) + self.norm.eps)
+        return F.linear(x, folded_weight) * _as_dtype(inv_rms, x.dtype)
+
+    def folded_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The hidden layer's weights with the norm's scale folded in, as :meth:`forward` projects through them:
+        ``(W ⊙ scale [h, d], None)`` for one input; with the previous token ``([W_c; W_p] ⊙ scale [2h, d],
+        W_p ⊙ scale [h, d])`` (the current token through both halves, the carried previous token through W_p).
+
+        They depend on the parameters only. A decode step with a KV cache takes them from the cache
+        (:attr:`SelectiveKVCache.derived_weights`), computed once per generation: at batch 1 writing them (a
+        ``[2h, d]`` copy and two products of fresh memory, per routed layer and step) was a large part of the
+        router's time.
+        """
+        weight = self.hidden.weight
+        scale = self.norm.scale.to(weight.dtype)
+        if not self.use_previous_token:
+            return weight * scale, None
+        embed_dim = weight.shape[1] // 2  # [h, 2d] = [W_c | W_p]
+        both = torch.cat([weight[:, :embed_dim], weight[:, embed_dim:]], dim=0) * scale
+        return both, weight[:, embed_dim:] * scale
 
     def forward(
-        self, x: torch.Tensor, starts: Optional[torch.Tensor] = None, carried: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        starts: Optional[torch.Tensor] = None,
+        carried: Optional[torch.Tensor] = None,
+        folded: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
     ) -> torch.Tensor:
         """
         Args:
@@ -106,31 +136,35 @@ class CausalRouter(RoutingModule):
                 (x_{t−1} = 0; see :func:`previous_token_states`). Required when ``use_previous_token``.
             carried (Optional[torch.Tensor]): ``[b, d]`` input of the token just before this chunk
                 (decoding with a cache); None at the start of a sequence.
+            folded: :meth:`folded_weights` computed earlier from the same parameters (None: computed here).
 
         Returns:
             torch.Tensor: ``[b, s]`` fp32 logits r̃_t (the student's threshold and top-k compare these).
         """
-        embed_dim = x.shape[-1]
+        both_weight, previous_weight = self.folded_weights() if folded is None else folded
         if not self.use_previous_token:
-            hidden = self._normed_projection(x, self.hidden.weight) + self.hidden.bias
+            hidden = self._normed_projection(x, both_weight) + self.hidden.bias
             return self._logit(hidden)
         if starts is None:
             raise ValueError("CausalRouter(use_previous_token=True) needs to know where each sequence starts")
         # hidden([n_t ‖ n_{t−1}]) = W_c·n_t + b + W_p·n_{t−1}. RMSNorm is per token, so every token is
         # projected once through [W_c; W_p] and its W_p part is shifted one token later, instead of
         # normalising and concatenating a shifted [b, s, 2d] copy of the input.
-        weight = self.hidden.weight  # [h, 2d] = [W_c | W_p]
-        both = self._normed_projection(x, torch.cat([weight[:, :embed_dim], weight[:, embed_dim:]], dim=0))
-        current, to_next = both.split(weight.shape[0], dim=-1)  # to_next: token t's term for token t+1
+        both = self._normed_projection(x, both_weight)
+        hidden_dim = both.shape[-1] // 2
+        current, to_next = both[..., :hidden_dim], both[..., hidden_dim:]  # to_next: token t's term for token t+1
         if carried is None:
             first = torch.zeros_like(to_next[:, :1])
         else:
-            first = self._normed_projection(carried.to(x.dtype), weight[:, embed_dim:])[:, None]
-        from_previous = torch.cat([first, to_next[:, :-1]], dim=1)
+            first = self._normed_projection(_as_dtype(carried, x.dtype), previous_weight)[:, None]
+        # One token (a decode step): its predecessor's term is the carried one; no copy through an empty shift.
+        from_previous = first if x.shape[1] == 1 else torch.cat([first, to_next[:, :-1]], dim=1)
         # RMSNorm(0) = 0, so a token that starts a sequence (document, or after left padding) gets nothing.
         hidden = current + self.hidden.bias + from_previous * (~starts)[..., None].to(current.dtype)
         return self._logit(hidden)
 
     def _logit(self, hidden: torch.Tensor) -> torch.Tensor:
         # The last projection in fp32, so logits of a bf16 model do not tie in 8 significant bits.
-        return F.linear(F.silu(hidden).float(), self.out.weight.float(), self.out.bias.float()).squeeze(-1)
+        fp32 = torch.float32
+        weight, bias = _as_dtype(self.out.weight, fp32), _as_dtype(self.out.bias, fp32)
+        return F.linear(_as_dtype(F.silu(hidden), fp32), weight, bias).squeeze(-1)

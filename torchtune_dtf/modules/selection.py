@@ -193,6 +193,8 @@ def window_topk_mask(
         Tuple of ``mask [b, s]`` (tokens that run) and the window to carry into the next chunk,
         ``recent [b, w − 1]`` and ``recent_valid [b, w − 1]``.
     """
+    if scores.shape[1] == 1:
+        return _window_topk_step(scores, starts, capacity, recent, recent_valid)
     width = recent.shape[1] + 1
     seq_len = scores.shape[1]
     extended = torch.cat([recent.to(scores.dtype), scores], dim=1)  # [b, w − 1 + s]
@@ -207,6 +209,26 @@ def window_topk_mask(
     carried = slice(seq_len, None)  # the last w − 1 entries
     carried_valid = (member & (sequence == sequence[:, -1:]))[:, carried]
     return mask, extended[:, carried], carried_valid
+
+
+def _window_topk_step(
+    scores: torch.Tensor, starts: torch.Tensor, capacity: float, recent: torch.Tensor, recent_valid: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`window_topk_mask` for one token per row (``scores [b, 1]``, a decode step), the same counts in a
+    third of the operators: the window is the carried w − 1 scores and the token, so no concatenated copy and no
+    unfolded view. A carried score is in the token's sequence when the token continues one (not a start) and the
+    score belonged to it; the token itself is one higher-or-equal entry of its own window."""
+    continued = recent_valid & ~starts  # [b, w − 1]
+    recent = recent if recent.dtype == scores.dtype else recent.to(scores.dtype)
+    higher = ((recent > scores) & continued).sum(dim=-1, keepdim=True)
+    # + the token itself (as in the full window, where a NaN score would equal nothing, not even itself)
+    equal = ((recent == scores) & continued).sum(dim=-1, keepdim=True) + (scores == scores)
+    members = continued.sum(dim=-1, keepdim=True) + 1
+    mask = (higher + 0.5 * equal) < capacity * members
+    # Carried on: the last w − 2 scores and this one; a carried score stays valid if it is in the token's sequence.
+    carried = torch.cat([recent[:, 1:], scores], dim=1)
+    carried_valid = torch.cat([continued[:, 1:], torch.ones_like(starts)], dim=1)
+    return mask, carried, carried_valid
 
 
 def row_selection(mask: torch.Tensor) -> Selection:
@@ -255,6 +277,8 @@ def scatter_updates(x: torch.Tensor, selection: Selection, update: torch.Tensor)
     Padding entries of a ragged selection contribute zero, so duplicate padding indices are harmless and
     the residual is added exactly once per selected token (docs/design.md §7).
     """
+    if selection.valid is None and x.shape[1] == 1 and update.shape[1] == 1:
+        return x + update.to(x.dtype)  # one token per row (a decode step), and it is selected: the scatter is an add
     if selection.valid is not None:
         update = update * selection.valid[..., None].to(update.dtype)
     index = selection.positions[..., None].expand(-1, -1, x.shape[-1])

@@ -14,6 +14,10 @@ advances all of its state: :meth:`SelectiveKVCache.append` stores entries, and t
 carry with :meth:`~SelectiveKVCache.carry_scores`, :meth:`~SelectiveKVCache.carry_output` and, at the end of
 each chunk, :meth:`~SelectiveKVCache.advance`.
 
+The cache also keeps what a layer derives from its weights alone and would otherwise recompute at every decode step
+(the causal router's weights with its norm folded in, :attr:`SelectiveKVCache.derived_weights`): valid exactly as
+long as the stored K/V, which those same weights wrote; :meth:`~SelectiveKVCache.reset` forgets it.
+
 Two ways to hold the entries:
 
 * growing (the default): memory follows what runs. The buffers start at ``initial_entries`` per row (the
@@ -99,6 +103,9 @@ class SelectiveKVCache(nn.Module):
         self.register_buffer(
             "recent_scores_valid", torch.zeros(batch_size, score_history, dtype=torch.bool), persistent=False
         )
+        #: Tensors the layer derived from its weights for this cache's generation (eager only; see the module
+        #: docstring). A plain attribute, not a buffer: it is no state of the sequence and never in a state dict.
+        self.derived_weights: Optional[Tuple[torch.Tensor, ...]] = None
 
     def reset(self) -> None:
         """Empty the cache without reallocating it."""
@@ -113,6 +120,12 @@ class SelectiveKVCache(nn.Module):
         self.recent_scores_valid.zero_()
         self._fill_bound = 0
         self._announced = 0
+        self.derived_weights = None  # the next generation may follow a change of the weights
+
+    def _apply(self, fn, recurse: bool = True):
+        # Moving or converting the cache (``model.to(...)``) converts the weights too: derive them again.
+        self.derived_weights = None
+        return super()._apply(fn, recurse)
 
     def sync_fill_bound(self) -> None:
         """Re-read the host-side bound on the rows' fill after the buffers were written from outside the cache
@@ -161,7 +174,7 @@ class SelectiveKVCache(nn.Module):
 
     def append(
         self,
-        rows: torch.Tensor,
+        rows: Optional[torch.Tensor],
         k: torch.Tensor,
         v: torch.Tensor,
         slots: torch.Tensor,
@@ -170,7 +183,8 @@ class SelectiveKVCache(nn.Module):
         """Store the K/V of the tokens that ran the block.
 
         Args:
-            rows (torch.Tensor): ``[r]`` batch rows being written.
+            rows (Optional[torch.Tensor]): ``[r]`` ascending batch rows being written; None: every row (r = b),
+                without indexing the per-row state by them.
             k (torch.Tensor): ``[r, n_kv, k, h_d]`` keys (RoPE applied) of the gathered tokens.
             v (torch.Tensor): ``[r, n_kv, k, h_d]`` values.
             slots (torch.Tensor): ``[r, k]`` layout slots of those tokens.
@@ -189,19 +203,34 @@ class SelectiveKVCache(nn.Module):
             if num_new > self._announced:
                 self.make_room(num_new)
             self._announced -= num_new
+        fill = self.fill[:, None] if rows is None else self.fill[rows, None]
         if valid is None:
-            write_at = self.fill[rows, None] + torch.arange(num_new, device=slots.device)
+            # One token per row (a decode step) is stored at the row's fill (a copy: ``fill`` moves on below).
+            write_at = fill.clone() if num_new == 1 else fill + torch.arange(num_new, device=slots.device)
             counts = num_new
         else:
             counts = valid.sum(dim=-1)
-            offsets = self.fill[rows, None] + torch.cumsum(valid.long(), dim=-1) - 1
+            offsets = fill + torch.cumsum(valid.long(), dim=-1) - 1
             write_at = torch.where(valid, offsets, torch.full_like(offsets, self.allocated_entries))
-        row_index = rows[:, None].expand_as(write_at)
-        # [r, k, n_kv, h_d] views so advanced indexing on (row, entry) writes whole heads at once.
-        self.k_cache.permute(0, 2, 1, 3)[row_index, write_at] = k.permute(0, 2, 1, 3).to(self.k_cache.dtype)
-        self.v_cache.permute(0, 2, 1, 3)[row_index, write_at] = v.permute(0, 2, 1, 3).to(self.v_cache.dtype)
-        self.entry_slots[row_index, write_at] = slots
-        self.fill[rows] += counts
+        if rows is None and valid is None:
+            # Every row, every entry: a row's entries go to distinct indices, so one scatter along the entry axis
+            # per buffer writes them (the same values as the indexed write below, in fewer operators).
+            heads = write_at.view(k.shape[0], 1, num_new, 1).expand(-1, k.shape[1], -1, k.shape[3])
+            dtype = self.k_cache.dtype  # no conversion operator for keys already in it (the usual case)
+            self.k_cache.scatter_(2, heads, k if k.dtype == dtype else k.to(dtype))
+            self.v_cache.scatter_(2, heads, v if v.dtype == dtype else v.to(dtype))
+            self.entry_slots.scatter_(1, write_at, slots)
+        else:
+            row_ids = torch.arange(k.shape[0], device=write_at.device) if rows is None else rows
+            row_index = row_ids[:, None].expand_as(write_at)
+            # [r, k, n_kv, h_d] views so advanced indexing on (row, entry) writes whole heads at once.
+            self.k_cache.permute(0, 2, 1, 3)[row_index, write_at] = k.permute(0, 2, 1, 3).to(self.k_cache.dtype)
+            self.v_cache.permute(0, 2, 1, 3)[row_index, write_at] = v.permute(0, 2, 1, 3).to(self.v_cache.dtype)
+            self.entry_slots[row_index, write_at] = slots
+        if rows is None:
+            self.fill += counts
+        else:
+            self.fill[rows] += counts
         return write_at
 
     # -- state carried to the next chunk: the layer hands it over, the cache writes it --------------
@@ -241,21 +270,26 @@ class SelectiveKVCache(nn.Module):
             self.reserve(self._fill_bound + num_new)
         self._fill_bound += num_new
 
-    def entries(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stored entries of ``rows``: the first ``n`` of each row, ``n`` the host-side bound of the fill
-        (a growing cache) or ``max_seq_len`` (a static one); ``valid`` marks those a row really holds.
+    def entries(
+        self, rows: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stored entries of ``rows`` (``[r]`` ascending, or None for every row): the first ``n`` of each row,
+        ``n`` the host-side bound of the fill (a growing cache) or ``max_seq_len`` (a static one); ``valid`` marks
+        those a row really holds.
 
         Returns:
             Tuple of keys ``[r, n_kv, n, h_d]``, values ``[r, n_kv, n, h_d]``, slots ``[r, n]`` and a
             validity mask ``[r, n]``.
         """
-        fill = self.fill[rows]
         length = self.allocated_entries
         if not (self.static or torch.compiler.is_compiling()):
             length = min(self._fill_bound, length)  # eager: no further than any row can have written
-        if rows.shape[0] == self.batch_size:
-            k, v, slots = self.k_cache, self.v_cache, self.entry_slots  # no row copy for the full batch
+        if rows is None or rows.shape[0] == self.batch_size:
+            # The full batch (ascending rows, so every row in order): views, no row copy.
+            fill = self.fill
+            k, v, slots = self.k_cache, self.v_cache, self.entry_slots
         else:
+            fill = self.fill[rows]
             k, v, slots = self.k_cache[rows], self.v_cache[rows], self.entry_slots[rows]
         valid = torch.arange(length, device=fill.device)[None, :] < fill[:, None]
         return k[:, :, :length], v[:, :, :length], slots[:, :length], valid
