@@ -24,10 +24,11 @@ INFLUENCE = [1.0] + [0.5 - 0.01 * layer if layer < 15 else 0.5 + 0.01 * layer fo
 
 
 def as_recorded(study: dict) -> dict:
-    """What ``run`` writes to study.json for ``study``, with this checkout's paths relative to its root."""
+    """What ``run`` writes to study.json for ``study``, with this checkout's paths relative to its root (the root
+    itself as ``.``), so that the recorded resolution holds in any clone."""
     spec = {key: value for key, value in study.items() if not key.startswith("_")}
     spec["source"] = study["_source"]
-    return json.loads(json.dumps(spec).replace(str(REPO) + "/", ""))
+    return json.loads(json.dumps(spec).replace(str(REPO) + "/", "").replace(json.dumps(str(REPO)), json.dumps(".")))
 
 
 @pytest.mark.parametrize("path", STUDIES)
