@@ -17,7 +17,12 @@ from typing import Any, Callable, Dict, Mapping
 
 from torchtune.config._utils import _get_component_from_path
 
-from torchtune_dtf.models.qwen2_5._component_builders import ARCHITECTURE_KEYS, BuilderIdentity
+from torchtune_dtf.models.qwen2_5._component_builders import (
+    ARCHITECTURE_KEYS,
+    BuilderIdentity,
+    lora_routed_qwen2,
+    routed_qwen2,
+)
 from torchtune_dtf.models.qwen2_5._model_builders import MODEL_BUILDERS, QWEN2_5_SHAPES
 from torchtune_dtf.models.routing_config import REQUIRED_KEYS
 
@@ -155,8 +160,6 @@ def _twin_path(model_cfg: Mapping[str, Any], variant: Any, size: Any, *, lora: b
     """Dotted path of the builder of ``(variant, size, lora)``, in the module the section's path names (so a
     config that imports from ``torchtune_dtf.models.qwen2_5`` keeps doing so)."""
     if variant is None:  # a component builder: its twin is the other component builder
-        from torchtune_dtf.models.qwen2_5._component_builders import lora_routed_qwen2, routed_qwen2
-
         twin = lora_routed_qwen2 if lora else routed_qwen2
     else:
         twin = MODEL_BUILDERS[(variant, size, lora)]
