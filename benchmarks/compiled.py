@@ -27,7 +27,7 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -184,11 +184,23 @@ def prefill_fns(models: Dict[str, torch.nn.Module], tokens: torch.Tensor) -> Dic
 
 
 class Decoder:
-    """Greedy decoding of ``steps`` tokens after a cached prefill of ``prompt [b, C]``: ``prepare()`` sets up the
-    caches and runs the prefill (untimed), each call of the instance runs the decode steps (and waits for them)."""
+    """Decoding of ``steps`` tokens after a cached prefill of ``prompt [b, C]``: ``prepare()`` sets up the caches
+    and runs the prefill (untimed), each call of the instance runs the decode steps (and waits for them).
 
-    def __init__(self, model, prompt: torch.Tensor, steps: int, compiled: bool, dtype: torch.dtype) -> None:
+    Each step is torchtune's ``generate_next_token`` (forward over the cache, then top-1 sampling). Its input is
+    the token just sampled (greedy decoding) or, with ``forced [b, steps]``, the next token of a fixed stream: the
+    same work per step, and every model decodes the same tokens. A random-weight model's own greedy output
+    repeats a token or two, text unlike anything a threshold student was calibrated on, so its executed fraction
+    drifts from γ (the papers' STT ran 0.67 of such tokens at γ = 0.5); on a forced stream of the calibration
+    prompt's kind the students execute their budget, and the timing compares models at the FLOPs they were
+    built for."""
+
+    def __init__(self, model, prompt: torch.Tensor, steps: int, compiled: bool, dtype: torch.dtype,
+                 forced: Optional[torch.Tensor] = None) -> None:
         self.model, self.prompt, self.steps, self.compiled, self.dtype = model, prompt, steps, compiled, dtype
+        if forced is not None and forced.shape != (prompt.shape[0], steps):
+            raise ValueError(f"forced tokens must be [batch, steps] = {[prompt.shape[0], steps]}, got {list(forced.shape)}")
+        self.forced = forced
         self.step_fn = compiled_decode_step(model) if compiled else generation.generate_next_token
         batch, context = prompt.shape
         self.max_len = context + steps + 1
@@ -212,6 +224,8 @@ class Decoder:
         with torch.inference_mode():
             for t in range(context, context + self.steps):
                 position = torch.full((batch, 1), t, device=self.prompt.device)
+                if self.forced is not None:
+                    token = self.forced[:, t - context, None]
                 token, _ = self.step_fn(self.model, position, token, mask=self.masks[:, t : t + 1], temperature=1.0, top_k=1)
         sync(self.prompt.device)
 
@@ -246,6 +260,12 @@ def train_step_fn(model, tokens: torch.Tensor) -> Callable:
     return fn
 
 
+def ratio_range(times: Dict[str, List[float]], num: str, den: str) -> Tuple[float, float]:
+    """Lowest and highest per-round ratio num/den: how far the rounds behind :func:`paired_ratio`'s median spread."""
+    ratios = [a / b for a, b in zip(times[num], times[den])]
+    return min(ratios), max(ratios)
+
+
 def summarize(times: Dict[str, List[float]], flops: Dict[str, float]) -> Dict[str, Dict]:
     return {
         label: {"median_s": median(t), "ratio": paired_ratio(times, label, "dense"), "flop_ratio": flops.get(label)}
@@ -271,7 +291,7 @@ def run(args) -> Dict:
                    else f"CPU {platform.processor() or platform.machine()}, {args.threads} threads")
         + f", {args.dtype}, torch {torch.__version__}",
         "shape": args.shape, "prefill_len": args.prefill_len, "context": args.context, "context_b8": args.context_b8,
-        "decode_steps": args.decode_steps,
+        "decode_steps": args.decode_steps, "decode_input": args.decode_input,
         "train_len": args.train_len, "rounds": args.rounds, "prefill_batch": args.prefill_batch,
         "train_batch": args.train_batch, "decode_batches": args.decode_batches, "models": {k: {kk: vv for kk, vv in v.items()
                                                                           if kk not in ("vocab_size",)}
@@ -283,6 +303,10 @@ def run(args) -> Dict:
     prompts = {b: torch.randint(0, vocab, (b, args.context_b8), generator=gen).to(device) for b in args.decode_batches}
     prefill_tokens = torch.randint(0, vocab, (args.prefill_batch, args.prefill_len), generator=gen).to(device)
     train_tokens = torch.randint(0, vocab, (args.train_batch, args.train_len), generator=gen).to(device)
+    streams: Dict[int, Optional[torch.Tensor]] = {b: None for b in [1, *args.decode_batches]}
+    if args.decode_input == "forced":  # random tokens, like the prompts and the calibration prompt
+        forced_gen = torch.Generator().manual_seed(3)
+        streams = {b: torch.randint(0, vocab, (b, args.decode_steps), generator=forced_gen).to(device) for b in streams}
 
     def log(msg):
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -317,7 +341,7 @@ def run(args) -> Dict:
                     compile_layers(model)
             if "decode_b1" in args.workloads:
                 log(f"{mode}: decode b1 at context {args.context}")
-                decoders = {label: Decoder(model, prompt_1, args.decode_steps, whole_step, dtype)
+                decoders = {label: Decoder(model, prompt_1, args.decode_steps, whole_step, dtype, streams[1])
                             for label, model in models.items()}
                 times = decode_times(decoders, args.rounds)
                 for label, model in models.items():
@@ -352,7 +376,8 @@ def run(args) -> Dict:
                 save()
             for batch in args.decode_batches if "decode_topk" in args.workloads else ():
                 log(f"{mode}: decode b{batch} at context {args.context_b8} (top-k student)")
-                decoders = {label: Decoder(model, prompts[batch], args.decode_steps, whole_step, dtype)
+                decoders = {label: Decoder(model, prompts[batch], args.decode_steps, whole_step, dtype,
+                                            streams[batch])
                             for label, model in models.items()}
                 section[f"decode_b{batch}"] = {"times": decode_times(decoders, args.rounds)}
                 for model in models.values():
@@ -379,8 +404,10 @@ def render(results: Dict) -> str:
     lines = [
         f"# Compiled and eager, routed / dense ({results['shape']} shape)", "",
         f"`{results['command']}` — {results['date']}, {results['device']}; median over {results['rounds']} "
-        "interleaved rounds of each round's model/dense ratio in the same mode (dense = 1). FLOPs: closed form "
-        "(`torchtune_dtf/closed_form.py`), the ideal.", "",
+        "interleaved rounds of each round's model/dense ratio in the same mode (dense = 1), the rounds' lowest and "
+        "highest in brackets. FLOPs: closed form (`torchtune_dtf/closed_form.py`), the ideal. Decode steps read "
+        + ("a fixed random token stream (the same for every model)" if results.get("decode_input", "greedy") == "forced"
+           else "the token each model sampled (greedy)") + ".", "",
     ]
     workloads = [("prefill", f"prefill b{results.get('prefill_batch', 1)} × {results['prefill_len']}"),
                  ("decode_b1", f"decode b1, context {results['context']} (threshold student)"),
@@ -390,24 +417,27 @@ def render(results: Dict) -> str:
     for key, title in workloads:
         rows = []
         for label in results["models"]:
+            ratio = flops.get(label, {}).get(key)
             cells = [label]
-            ref = None
             for mode in ("eager", "compiled"):
                 entry = results["sections"].get(mode, {}).get(key)
                 if entry is None:
-                    cells += ["", ""]
+                    cells += ["", "", ""]
                     continue
                 times = entry["times"]
-                cells += [f"{1e3 * median(times[label]):.1f}", f"{paired_ratio(times, label, 'dense'):.3f}"]
-                if mode == "eager":
-                    ref = times
-            ratio = flops.get(label, {}).get(key)
+                low, high = ratio_range(times, label, "dense")
+                spread = f" ({low:.2f}–{high:.2f})" if label != "dense" and len(times[label]) > 1 else ""
+                time_ratio = paired_ratio(times, label, "dense")
+                cells += [f"{1e3 * median(times[label]):.1f}", f"{time_ratio:.3f}{spread}",
+                          f"{time_ratio - ratio:+.3f}" if ratio is not None and label != "dense" else ""]
             cells.append(f"{ratio:.3f}" if ratio is not None else "")
             rows.append(cells)
-        if not any(any(c for c in row[1:5]) for row in rows):
+        if not any(any(c for c in row[1:7]) for row in rows):
             continue
-        lines += [f"## {title}", "", "| model | eager ms | eager / dense | compiled ms | compiled / dense | FLOPs / dense |",
-                  "|---|---|---|---|---|---|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+        lines += [f"## {title}", "",
+                  "| model | eager ms | eager / dense | eager − FLOPs | compiled ms | compiled / dense | compiled − FLOPs "
+                  "| FLOPs / dense |",
+                  "|---|---|---|---|---|---|---|---|", *("| " + " | ".join(r) + " |" for r in rows), ""]
         if key == "decode_b1":
             for mode in ("eager", "compiled"):
                 entry = results["sections"].get(mode, {}).get(key)
@@ -429,11 +459,20 @@ def render(results: Dict) -> str:
                 entry = results["sections"].get(mode, {}).get(key)
                 if entry:
                     t = entry["times"]
+                    rounds = [(h - b) / d for h, b, d in zip(t[hybrid], t[baseline], t["dense"])]
+                    flop_gap = flops.get(hybrid, {}).get(key, math.nan) - flops.get(baseline, {}).get(key, math.nan)
                     comparisons.append(f"| {hybrid} vs {baseline} | {mode} | {title} | "
-                                       f"{paired_ratio(t, hybrid, 'dense') - paired_ratio(t, baseline, 'dense'):+.3f} |")
+                                       f"{paired_ratio(t, hybrid, 'dense') - paired_ratio(t, baseline, 'dense'):+.3f} | "
+                                       f"{median(rounds):+.3f} ({min(rounds):+.3f} … {max(rounds):+.3f}) | "
+                                       f"{flop_gap:+.3f} | {median(rounds) - flop_gap:+.3f} |")
     if comparisons:
         lines += ["## Recommended recipe − layer dropping at about its FLOPs (time / dense)", "",
-                  "| pair | mode | workload | difference |", "|---|---|---|---|", *comparisons, ""]
+                  "Time difference recipe − layer dropping (per dense time), beside the difference of their closed-form "
+                  "FLOPs; the last column is the time difference at equal FLOPs (time difference − FLOP difference), "
+                  "what routing costs beyond the compute it does.", "",
+                  "| pair | mode | workload | difference of the medians | median of the rounds' differences (lowest … "
+                  "highest) | FLOP difference | at equal FLOPs |",
+                  "|---|---|---|---|---|---|---|", *comparisons, ""]
     return "\n".join(lines) + "\n"
 
 
@@ -451,6 +490,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--decode-input", default="forced", choices=["forced", "greedy"],
+                        help="what each decode step reads: a fixed random token stream (default) or the token it sampled")
     parser.add_argument("--models", nargs="+", default=None, help="labels to run (dense is always run)")
     parser.add_argument("--train-len", type=int, default=512)
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
@@ -460,7 +501,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.prefill_len, args.context, args.context_b8, args.decode_steps, args.train_len = 1, 64, 64, 32, 4, 64
+        args.rounds, args.prefill_len, args.context, args.context_b8, args.decode_steps, args.train_len = 1, 64, 64, 32, 16, 64
     if args.out is None:
         args.out = str(REPO / "benchmarks" / "results" / f"compiled_{args.shape}{'_quick' if args.quick else ''}")
     return run(args)

@@ -446,8 +446,12 @@ def test_compiled_benchmark_times_every_model_and_workload_against_dense(tmp_pat
         if label == "dense":
             assert all(r == 1.0 for r in ratios.values())
         else:  # γ = 0.5 on every other layer saves inference compute; STT's dense teacher pass costs training some back
-            assert all(0.5 < ratios[w] < 1.0 for w in ("prefill", "decode_b1", "decode_b8")), (label, ratios)
+            assert all(0.5 < ratios[w] < 1.0 for w in ("prefill", "decode_b8")), (label, ratios)
             assert 0.5 < ratios["train"] < (1.05 if label.startswith("stt") else 1.0), (label, ratios)
+            # Decode b1 runs a threshold student: its FLOPs are those of the fraction it executed (16 steps here).
+            fractions = eager["decode_b1"]["executed_fraction"][label].values()
+            assert fractions and all(0 < f <= 1 for f in fractions), (label, fractions)
+            assert 0.5 < ratios["decode_b1"] < 1.1, (label, ratios)
     ops = eager["decode_b1"]["ops_per_step"]
     assert set(ops) == models and all(n > 0 for n in ops.values())
     report = (tmp_path / "results.md").read_text()
