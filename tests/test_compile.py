@@ -174,6 +174,47 @@ def test_threshold_decode_keeps_its_graphs_bounded_over_200_steps(student, fresh
     assert 0 < per_step and len(graphs) - after_prefill <= (BATCH + 1) * per_step, (after_prefill, after_first_step, len(graphs))
 
 
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+@pytest.mark.parametrize("student", [dict(student_threshold=0.5),
+                                     dict(student_routing_mode="window_topk", student_threshold=None, student_window=8)])
+def test_threshold_students_read_the_device_once_per_routed_layer_and_not_in_training(variant, student, fresh_dynamo):
+    # A threshold decode step decides a data-dependent number of rows, read once per routed layer; made in the
+    # layer's own frame, the read is the step's only graph break per routed layer (read in a nested call, every
+    # frame down to it broke too: four breaks, five graphs per layer and step, each a guard check on the CPU).
+    # A whole sequence reads its row counts once; a training forward, which only records the student's mask,
+    # reads nothing.
+    model = build("stt" if variant == "stt" else variant, "recommended", **student)
+    model.use_static_kv_caches()
+    model.setup_caches(batch_size=BATCH, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    masks = causal_masks()
+    prompt = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(prompt, mask=masks[:, :PROMPT], input_pos=torch.arange(PROMPT))
+        # Each routed layer as compile_layers compiles it: its own forward is the frame.
+        for layer in model.routed_layers():
+            x = torch.randn(BATCH, 1, layer.attn.embed_dim, generator=torch.Generator().manual_seed(layer.layer_idx))
+            explained = torch._dynamo.explain(layer)(
+                x, mask=masks[:, PROMPT : PROMPT + 1], input_pos=torch.full((BATCH,), PROMPT),
+                routing=RoutingContext(mode="student").for_layer(layer.layer_idx),
+            )
+            reasons = [r.reason[:120] for r in explained.break_reasons]
+            assert explained.graph_break_count == 1 and "_local_scalar_dense" in reasons[0], (layer.layer_idx, reasons)
+            assert explained.break_reasons[0].user_stack[-1].filename.endswith("modules/layers.py")
+    delete_kv_caches(model)
+    tokens = torch.randn(BATCH, PROMPT, model.routed_layers()[0].attn.embed_dim, generator=torch.Generator().manual_seed(4))
+    for layer in model.routed_layers():
+        # A whole sequence without a cache (evaluation): the same one read, the row counts' extremes.
+        with torch.no_grad():
+            explained = torch._dynamo.explain(layer)(tokens, routing=RoutingContext(mode="student").for_layer(0))
+        assert explained.graph_break_count == 1, [r.reason[:120] for r in explained.break_reasons]
+    # Training (teacher mode) records what the student would run as a mask: no read at all, so the layers
+    # compile whole (fullgraph refuses any break) for the forward and the backward.
+    compile_layers(model, backend="aot_eager", fullgraph=True)
+    token_ids = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=torch.Generator().manual_seed(6))
+    loss, grads, _ = train_step_grads(model, token_ids, 100.0)
+    assert torch.isfinite(loss) and grads
+
+
 @pytest.mark.slow
 def test_inductor_compiled_recommended_stt_matches_eager(fresh_dynamo):
     # The real compiler (C++ codegen on the CPU): the study's recommended shape, top-k student.

@@ -106,11 +106,21 @@ def test_two_token_causal_router_equals_the_concatenated_reference():
     ref_grads = torch.autograd.grad(reference.square().sum(), list(router.parameters()) + [x])
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    # Decoding: a chunk that continues a sequence uses the carried input of the token before it.
-    carried = torch.randn(2, 8)
-    later = torch.tensor([[6, 7], [4, 5]])
-    torch.testing.assert_close(router(x[:, :2], later == 0, carried),
-                               _two_token_router_reference(router, x[:, :2], later, carried), rtol=1e-5, atol=1e-6)
+    # Decoding: a chunk that continues a sequence uses the term its previous chunk's last token handed over,
+    # which is that token's input through W_p: the chunks together give the logits of one call over both.
+    with torch.no_grad():
+        whole = router(x, positions == 0)
+        head_logits, carried = router(x[:, :4], positions[:, :4] == 0, return_carried=True)
+        assert carried.shape == (2, 6)
+        tail_logits = router(x[:, 4:], positions[:, 4:] == 0, carried)
+        torch.testing.assert_close(torch.cat([head_logits, tail_logits], dim=1), whole, rtol=1e-5, atol=1e-6)
+        later = torch.tensor([[6, 7], [4, 5]])
+        reference = _two_token_router_reference(router, x[:, :2], later, x[:, -1])
+        torch.testing.assert_close(router(x[:, :2], later == 0, carried=router(x, positions == 0, return_carried=True)[1]),
+                                   reference, rtol=1e-5, atol=1e-6)
+        # Without the previous token's input there is nothing to carry.
+        single = CausalRouter(embed_dim=8, hidden_dim=6, use_previous_token=False, norm_eps=1e-6, init_std=0.5)
+        assert single.carry_dim == 0 and single(x, return_carried=True)[1] is None and router.carry_dim == 6
 
 
 def test_meta_build_of_0_5b_has_the_qwen_parameter_count():

@@ -62,19 +62,38 @@ class RoutedTransformerDecoder(TransformerDecoder):
         )
         routing = routing if routing is not None else RoutingContext(mode="student")
         self._make_room_in_selective_caches(tokens.shape[1])
+        token_layout = self._token_layout(*tokens.shape, mask, input_pos, tokens.device)
         h = self.tok_embeddings(tokens)
         hidden = []
         for i, layer in enumerate(self.layers):
             if i in self.output_hidden_states:
                 hidden.append(h)
             if i in self._routing_layers:
-                layer_routing = routing.for_layer(i, h.device)
+                layer_routing = routing.for_layer(i, h.device, token_layout)
                 h = layer(h, mask=mask, input_pos=input_pos, routing=layer_routing)
                 routing.absorb(i, layer_routing)
             else:
                 h = layer(h, mask=mask, encoder_input=encoder_input, encoder_mask=encoder_mask, input_pos=input_pos)
         output = self.unembed(h)
         return output if not hidden else [*hidden, output]
+
+    def _token_layout(
+        self, batch: int, seq_len: int, mask: Optional[torch.Tensor], input_pos: Optional[torch.Tensor],
+        device: torch.device,
+    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """Position ids and sequence starts ``[b, s]`` of this forward's tokens, computed once for every routed
+        layer (a decode step spent about ten operators per routed layer on them): each forward moves every
+        routed layer's cache on by the same s slots, so the layers agree on where the chunk sits. None (each layer
+        computes its own, or reports a bad mask) without routed layers, for a mask that is not a tensor, or when
+        the routed layers do not all have an active cache or all none."""
+        layers = self.routed_layers()
+        if not layers or not (mask is None or isinstance(mask, torch.Tensor)):
+            return None
+        if len({layer._active_cache() is None for layer in layers}) > 1:
+            return None
+        if mask is not None and mask.shape[0] != batch:
+            mask = mask.expand(batch, -1, -1)
+        return layers[0].token_layout(mask, input_pos, batch, seq_len, device)
 
     def use_static_kv_caches(self, enabled: bool = True) -> None:
         """Make the selective caches that :meth:`setup_caches` creates from now on static: ``max_seq_len``

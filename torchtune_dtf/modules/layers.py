@@ -27,6 +27,7 @@ from torchtune_dtf.modules.selection import (
     batch_topk_selection,
     gather_tokens,
     mask_selection,
+    row_count_extremes,
     row_selection,
     scatter_updates,
     segment_topk_selection,
@@ -58,6 +59,8 @@ ROUTING_MODULE_NAMES = tuple(ROUTING_MODULE_GROUPS)
 STUDENT_ROUTING_MODES = ("threshold", "topk", "window_topk")
 TEACHER_SELECTIONS = ("topk", "threshold")
 GATE_MODES = ("scaled", "straight_through")
+#: Student modes whose number of running tokens depends on the data (read from the device once per forward).
+_COUNTED_MODES = ("threshold", "window_topk")
 SKIP_UPDATES = ("none", "predicted", "bias")
 
 
@@ -228,6 +231,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             ),
             static=self.static_kv_cache,
             score_history=self.student_window - 1 if self.student_routing_mode == "window_topk" else 0,
+            router_carry_dim=0 if self.causal_router is None else self.causal_router.carry_dim,
         )
         attn.cache_enabled = True
 
@@ -287,6 +291,18 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         self.routed_tokens_seen += selected.numel()  # a Python int: no device round trip
         self.routed_tokens_executed += selected.sum()  # stays on device: no host sync per forward
 
+    def token_layout(
+        self, mask: Optional[torch.Tensor], input_pos: Optional[torch.Tensor], batch: int, seq_len: int,
+        device: torch.device,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Position ids and sequence starts ``[b, s]`` of a forward's tokens (:func:`token_positions`,
+        :func:`sequence_starts`), the chunk placed after what this layer's active cache has seen.
+        ``mask``: ``[b, s, L]`` (already expanded over the batch) or None."""
+        cache = self._active_cache()
+        offset = 0 if cache is None else cache.seen  # a device tensor: never read back to the host
+        positions = token_positions(input_pos, batch, seq_len, offset, device)
+        return positions, sequence_starts(positions, mask, offset)
+
     # -- decisions ------------------------------------------------------------------------------
     def num_selected(self, seq_len: int) -> int:
         return int(math.floor(self.capacity * seq_len))
@@ -297,7 +313,12 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         """Causal router logits ``[b, s]`` (fp32) from detached inputs (the student never trains the backbone)."""
         if cache is None:
             return self.causal_router(x.detach(), starts)
-        return self.causal_router(x.detach(), starts, cache.last_input, folded=self._router_weights(cache))
+        carried = cache.router_carry if self.causal_router.carry_dim else None
+        logits, carry = self.causal_router(
+            x.detach(), starts, carried, folded=self._router_weights(cache), return_carried=True
+        )
+        cache.carry_router_term(carry)  # read by this chunk only above: the next chunk's first token's term
+        return logits
 
     def _router_weights(self, cache: SelectiveKVCache):
         """The causal router's folded weights for this generation, kept in ``cache`` (computed on its first
@@ -352,14 +373,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         A decode step (a cache and one token per row) selects rows: the top ⌊γ·b⌋ in top-k mode (static,
         no host read), those over the threshold or in their window's top γ otherwise (one host read)."""
         decoding = cache is not None and logits.shape[1] == 1
-        if self.student_routing_mode in ("threshold", "window_topk"):
-            if self.student_routing_mode == "threshold":
-                selected = logits > self.student_logit_threshold
-            else:
-                selected = self.window_topk(logits, starts, cache)
-            if self.always_run_first_token:
-                selected = selected | starts
-            return row_selection(selected) if decoding else mask_selection(selected)
+        if self.student_routing_mode in _COUNTED_MODES:
+            selected = self.student_mask(logits, starts, cache)
+            return row_selection(selected, selected.sum().tolist()) if decoding else mask_selection(selected)
         if decoding:
             return batch_topk_selection(logits[:, 0], self.capacity)
         if cache is None and not (analysis or self.allow_noncausal_student_topk):
@@ -370,6 +386,14 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 "evaluation, or set allow_noncausal_student_topk: True for an explicit analysis."
             )
         return self.topk_by_sequence(logits, starts, single_sequence=single_sequence)
+
+    def student_mask(self, logits: torch.Tensor, starts: torch.Tensor, cache: Optional[SelectiveKVCache]) -> torch.Tensor:
+        """``[b, s]`` bool: the tokens a threshold or window top-k student runs (no host read)."""
+        if self.student_routing_mode == "threshold":
+            selected = logits > self.student_logit_threshold
+        else:
+            selected = self.window_topk(logits, starts, cache)
+        return selected | starts if self.always_run_first_token else selected
 
     def window_topk(self, logits: torch.Tensor, starts: torch.Tensor, cache: Optional[SelectiveKVCache]) -> torch.Tensor:
         """``[b, s]`` bool: tokens whose logit is in the top γ of their window (:func:`window_topk_mask`);
@@ -446,11 +470,12 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             if mask.shape[0] != batch:
                 mask = mask.expand(batch, -1, -1)
         cache = self._active_cache()
-        offset = 0 if cache is None else cache.seen  # a device tensor: never read back to the host
         # Known from the arguments alone: with neither a mask nor position ids every row is one sequence.
         single_sequence = mask is None and input_pos is None
-        positions = token_positions(input_pos, batch, seq_len, offset, x.device)
-        starts = sequence_starts(positions, mask, offset)
+        if routing.token_layout is not None:  # the decoder's, for every routed layer of this forward
+            positions, starts = routing.token_layout
+        else:
+            positions, starts = self.token_layout(mask, input_pos, batch, seq_len, x.device)
         logits = self.student_logits(x, starts, cache)
         record = LayerRouting(student_logits=logits)
 
@@ -465,13 +490,28 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             if self.causal_router is not None:
                 record.causal_loss = F.binary_cross_entropy_with_logits(logits, selection.mask.float())
             with torch.no_grad():  # what the student runs, for agreement metrics and scheduled sampling
-                student = self.student_selection(logits, starts, None, single_sequence=single_sequence, analysis=True)
-            record.student_mask = student.mask
+                if routing.execute == "teacher" and self.student_routing_mode in _COUNTED_MODES:
+                    record.student_mask = self.student_mask(logits, starts, None)  # the mask only: no host read
+                else:
+                    student = self.student_selection(logits, starts, None, single_sequence=single_sequence, analysis=True)
+                    record.student_mask = student.mask
             if routing.execute == "student":
                 selection = student
             gate = self.training_gate(gate)
         else:
-            selection = self.student_selection(logits, starts, cache, single_sequence=single_sequence)
+            if self.student_routing_mode in _COUNTED_MODES and logits.numel():
+                selected = self.student_mask(logits, starts, cache)
+                # The forward's one host read (how many rows run a decode step; the largest and smallest row count
+                # of a longer chunk), made in this frame rather than in a call below it: a compiled layer then splits
+                # once, into the graph before the read and one graph per count after it. Read in
+                # student_selection, every frame down to the read split too (five graphs per decode step).
+                # ``tolist``: dynamo answers ``int()`` of a tensor with a warning that advises capturing scalars.
+                if cache is not None and seq_len == 1:
+                    selection = row_selection(selected, selected.sum().tolist())
+                else:
+                    selection = mask_selection(selected, row_count_extremes(selected).tolist())
+            else:
+                selection = self.student_selection(logits, starts, cache, single_sequence=single_sequence)
             gate = self.student_gate(x)
 
         out = routed_block_forward(

@@ -7,7 +7,7 @@
   Its inputs are detached by the caller so the student never pulls on the backbone (docs/design.md §3.4, §3.8).
 """
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -104,64 +104,74 @@ class CausalRouter(RoutingModule):
         inv_rms = torch.rsqrt(_as_dtype(x, torch.float32).pow(2).mean(-1, keepdim=True) + self.norm.eps)
         return F.linear(x, folded_weight) * _as_dtype(inv_rms, x.dtype)
 
-    def folded_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    @property
+    def carry_dim(self) -> int:
+        """Width of the term a chunk hands the next chunk's first token (:meth:`forward`'s ``carried``): the
+        hidden width when the router reads the previous token, 0 when it does not."""
+        return self.hidden.out_features if self.use_previous_token else 0
+
+    def folded_weights(self) -> torch.Tensor:
         """The hidden layer's weights with the norm's scale folded in, as :meth:`forward` projects through them:
-        ``(W ⊙ scale [h, d], None)`` for one input; with the previous token ``([W_c; W_p] ⊙ scale [2h, d],
-        W_p ⊙ scale [h, d])`` (the current token through both halves, the carried previous token through W_p).
+        ``W ⊙ scale [h, d]`` for one input; with the previous token ``[W_c; W_p] ⊙ scale [2h, d]`` (every token
+        through both halves: its own term and the term it hands to the token after it).
 
         They depend on the parameters only. A decode step with a KV cache takes them from the cache
         (:attr:`SelectiveKVCache.derived_weights`), computed once per generation: at batch 1 writing them (a
-        ``[2h, d]`` copy and two products of fresh memory, per routed layer and step) was a large part of the
+        ``[2h, d]`` copy and a product of fresh memory, per routed layer and step) was a large part of the
         router's time.
         """
         weight = self.hidden.weight
         scale = self.norm.scale.to(weight.dtype)
         if not self.use_previous_token:
-            return weight * scale, None
+            return weight * scale
         embed_dim = weight.shape[1] // 2  # [h, 2d] = [W_c | W_p]
-        both = torch.cat([weight[:, :embed_dim], weight[:, embed_dim:]], dim=0) * scale
-        return both, weight[:, embed_dim:] * scale
+        return torch.cat([weight[:, :embed_dim], weight[:, embed_dim:]], dim=0) * scale
 
     def forward(
         self,
         x: torch.Tensor,
         starts: Optional[torch.Tensor] = None,
         carried: Optional[torch.Tensor] = None,
-        folded: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
-    ) -> torch.Tensor:
+        folded: Optional[torch.Tensor] = None,
+        *,
+        return_carried: bool = False,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """
         Args:
             x (torch.Tensor): ``[b, s, d]`` layer inputs x_t^(l−1).
             starts (Optional[torch.Tensor]): ``[b, s]`` bool, True where a token has no predecessor
                 (x_{t−1} = 0; see :func:`previous_token_states`). Required when ``use_previous_token``.
-            carried (Optional[torch.Tensor]): ``[b, d]`` input of the token just before this chunk
-                (decoding with a cache); None at the start of a sequence.
+            carried (Optional[torch.Tensor]): ``[b, h]`` the term W_p·RMSNorm(x_{t−1}) of the token just before
+                this chunk, as the call on the previous chunk returned it (decoding with a cache); None at the
+                start of a sequence. Carrying the term instead of the input spares each decode step a second
+                normed projection.
             folded: :meth:`folded_weights` computed earlier from the same parameters (None: computed here).
+            return_carried (bool): also return the term this chunk's last token hands the next chunk.
 
         Returns:
-            torch.Tensor: ``[b, s]`` fp32 logits r̃_t (the student's threshold and top-k compare these).
+            torch.Tensor: ``[b, s]`` fp32 logits r̃_t (the student's threshold and top-k compare these); with
+            ``return_carried`` the pair (logits, ``[b, h]`` term of the last token, or None without the previous
+            token's input).
         """
-        both_weight, previous_weight = self.folded_weights() if folded is None else folded
+        weight = self.folded_weights() if folded is None else folded
         if not self.use_previous_token:
-            hidden = self._normed_projection(x, both_weight) + self.hidden.bias
-            return self._logit(hidden)
+            logits = self._logit(self._normed_projection(x, weight) + self.hidden.bias)
+            return (logits, None) if return_carried else logits
         if starts is None:
             raise ValueError("CausalRouter(use_previous_token=True) needs to know where each sequence starts")
         # hidden([n_t ‖ n_{t−1}]) = W_c·n_t + b + W_p·n_{t−1}. RMSNorm is per token, so every token is
         # projected once through [W_c; W_p] and its W_p part is shifted one token later, instead of
         # normalising and concatenating a shifted [b, s, 2d] copy of the input.
-        both = self._normed_projection(x, both_weight)
+        both = self._normed_projection(x, weight)
         hidden_dim = both.shape[-1] // 2
         current, to_next = both[..., :hidden_dim], both[..., hidden_dim:]  # to_next: token t's term for token t+1
-        if carried is None:
-            first = torch.zeros_like(to_next[:, :1])
-        else:
-            first = self._normed_projection(_as_dtype(carried, x.dtype), previous_weight)[:, None]
+        first = torch.zeros_like(to_next[:, :1]) if carried is None else carried[:, None].to(x.dtype)
         # One token (a decode step): its predecessor's term is the carried one; no copy through an empty shift.
         from_previous = first if x.shape[1] == 1 else torch.cat([first, to_next[:, :-1]], dim=1)
         # RMSNorm(0) = 0, so a token that starts a sequence (document, or after left padding) gets nothing.
         hidden = current + self.hidden.bias + from_previous * (~starts)[..., None].to(current.dtype)
-        return self._logit(hidden)
+        logits = self._logit(hidden)
+        return (logits, to_next[:, -1]) if return_carried else logits
 
     def _logit(self, hidden: torch.Tensor) -> torch.Tensor:
         # The last projection in fp32, so logits of a bf16 model do not tie in 8 significant bits.

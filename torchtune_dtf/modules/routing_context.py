@@ -90,6 +90,10 @@ class RoutingContext:
     incoming_states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     outgoing_states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     layer_record: Optional[LayerRouting] = None
+    # Position ids and sequence starts ``[b, s]`` of this forward's tokens, the same for every routed layer:
+    # computed once by the decoder (:meth:`RoutedTransformerDecoder.forward`) instead of once per layer.
+    # None: each layer computes its own (a layer called on its own, or a forward without routed layers).
+    token_layout: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTING_MODES:
@@ -100,13 +104,19 @@ class RoutingContext:
             raise ValueError(f"capacity_progress must be in [0, 1], got {self.capacity_progress!r}")
 
     # -- per-layer views: what a compiled layer sees ------------------------------------------------
-    def for_layer(self, layer_idx: int, device: Optional[torch.device] = None) -> "RoutingContext":
+    def for_layer(
+        self,
+        layer_idx: int,
+        device: Optional[torch.device] = None,
+        token_layout: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> "RoutingContext":
         """The context the decoder hands layer ``layer_idx``: the same mode, with β as 0-dim fp32 tensors on
         ``device`` and the Decision-layer states meant for this layer, but no layer indices and no shared
         containers. A layer compiled with ``torch.compile`` guards on every Python value it reads: a dict
         keyed by layer index, or a β that the schedule moves every step, would make a new graph per layer
         or per step. With a view every routed layer of a kind, at every step, runs the same graph;
-        :meth:`absorb` files what the layer left under its index."""
+        :meth:`absorb` files what the layer left under its index. ``token_layout``: the forward's position ids
+        and sequence starts, for the layer to use instead of computing them (see the field)."""
         betas = {}
         if self.beta_ce is not None and not isinstance(self.beta_ce, torch.Tensor):
             betas["beta_ce"] = torch.tensor(float(self.beta_ce), dtype=torch.float32, device=device)
@@ -114,7 +124,8 @@ class RoutingContext:
             betas["beta_cu"] = torch.tensor(float(self.beta_cu), dtype=torch.float32, device=device)
         return replace(
             self, layers={}, decision_states={}, layer_view=True,
-            incoming_states=self.decision_states.get(layer_idx), outgoing_states=None, layer_record=None, **betas,
+            incoming_states=self.decision_states.get(layer_idx), outgoing_states=None, layer_record=None,
+            token_layout=token_layout, **betas,
         )
 
     def absorb(self, layer_idx: int, view: "RoutingContext") -> None:

@@ -11,7 +11,7 @@ Shapes are static wherever the budget is (top-k): a row of s tokens holds at mos
 however it splits into sequences (Σ⌊γ·n_i⌋ ≤ ⌊γ·Σn_i⌋), and a decode step runs ⌊γ·b⌋ rows. Those paths read
 nothing back from the device, so ``torch.compile(fullgraph=True)`` captures them whole. Threshold routing
 and the causal window top-k (:func:`window_topk_mask`) have a data-dependent count; :func:`mask_selection`
-and :func:`row_selection` read it once per call.
+read it once per call, and a decode step reads how many rows run (:func:`row_selection`).
 """
 
 import math
@@ -133,15 +133,22 @@ def slots_selection(mask: torch.Tensor, num_slots: int) -> Selection:
     return Selection(positions=order, valid=valid, mask=mask)
 
 
-def mask_selection(mask: torch.Tensor) -> Selection:
+def row_count_extremes(mask: torch.Tensor) -> torch.Tensor:
+    """``[2]`` the largest and the smallest row count of a non-empty mask ``[b, s]``: what :func:`mask_selection`
+    needs on the host, for the caller to read in one transfer."""
+    counts = mask.sum(dim=-1)
+    return torch.stack([counts.max(), counts.min()])
+
+
+def mask_selection(mask: torch.Tensor, extremes: Optional[Tuple[int, int]] = None) -> Selection:
     """Selection from a boolean mask ``[b, s]`` (threshold routing); rows may differ in count.
 
-    The number of slots is the largest row count, read from the device once (the one host read of a
-    threshold-routed layer's forward)."""
-    counts = mask.sum(dim=-1)
+    The number of slots is the largest row count: ``extremes`` (most, fewest), read by the caller
+    (:func:`row_count_extremes`), or read here from the device (the one host read of a threshold-routed
+    layer's forward)."""
     if not mask.numel():
         return Selection(positions=mask.new_zeros(mask.shape[0], 0, dtype=torch.long), valid=None, mask=mask)
-    most, fewest = torch.stack([counts.max(), counts.min()]).tolist()
+    most, fewest = row_count_extremes(mask).tolist() if extremes is None else extremes
     selection = slots_selection(mask, most)
     selection.fewest_selected = fewest
     if most == fewest:
@@ -231,11 +238,20 @@ def _window_topk_step(
     return mask, carried, carried_valid
 
 
-def row_selection(mask: torch.Tensor) -> Selection:
-    """Selection of a decode step (one token per row) from a mask ``[b, 1]``: the rows that run, found
-    with one host read (threshold routing)."""
-    rows = torch.nonzero(mask[:, 0]).squeeze(-1)
-    return Selection(positions=rows.new_zeros(rows.shape[0], 1), valid=None, mask=mask, rows=rows)
+def row_selection(mask: torch.Tensor, num_rows: int) -> Selection:
+    """Selection of a decode step (one token per row) from a mask ``[b, 1]`` that ``num_rows`` rows set (threshold
+    routing; the caller read the count from the device, the step's one host read).
+
+    With the count known on the host every shape here is static: all rows or none need no index search, and
+    otherwise the running rows are the first ``num_rows`` of a stable sort that puts them first in row order."""
+    batch = mask.shape[0]
+    if num_rows == batch:
+        rows = torch.arange(batch, device=mask.device)
+    elif num_rows == 0:
+        rows = torch.zeros(0, dtype=torch.long, device=mask.device)
+    else:
+        rows = torch.sort((~mask[:, 0]).to(torch.int8), stable=True).indices[:num_rows]
+    return Selection(positions=rows.new_zeros(num_rows, 1), valid=None, mask=mask, rows=rows)
 
 
 def batch_topk_selection(scores: torch.Tensor, capacity: float) -> Selection:

@@ -8,11 +8,12 @@ attention are built by looking the stored slots up in that global mask (causalit
 or by comparing slots when no mask is given.
 
 The cache also carries, from one chunk to the next, what a layer needs about the tokens before the chunk:
-each row's last layer input (the two-token causal router's x_{t−1}), its last routed output (the TPN's input
-with ``skip_update: predicted``) and its last router scores (a window top-k student). The cache alone
-advances all of its state: :meth:`SelectiveKVCache.append` stores entries, and the layer hands over what to
-carry with :meth:`~SelectiveKVCache.carry_scores`, :meth:`~SelectiveKVCache.carry_output` and, at the end of
-each chunk, :meth:`~SelectiveKVCache.advance`.
+the term each row's last token hands the two-token causal router of the next (W_p·RMSNorm(x_{t−1})), its last
+routed output (the TPN's input with ``skip_update: predicted``) and its last router scores (a window top-k
+student). The cache alone advances all of its state: :meth:`SelectiveKVCache.append` stores entries, and the
+layer hands over what to carry with :meth:`~SelectiveKVCache.carry_router_term`,
+:meth:`~SelectiveKVCache.carry_scores`, :meth:`~SelectiveKVCache.carry_output` and, at the end of each chunk,
+:meth:`~SelectiveKVCache.advance`.
 
 The cache also keeps what a layer derives from its weights alone and would otherwise recompute at every decode step
 (the causal router's weights with its norm folded in, :attr:`SelectiveKVCache.derived_weights`): valid exactly as
@@ -44,13 +45,15 @@ class SelectiveKVCache(nn.Module):
         num_kv_heads (int): number of key/value heads.
         head_dim (int): dimension of each head.
         max_seq_len (int): the longest layout the cache can follow, hence the most entries a row can hold.
-        embed_dim (int): model width, for the carried previous-token state.
+        embed_dim (int): model width, for the carried previous-token output.
         dtype (torch.dtype): dtype of keys, values and carried state.
         initial_entries (Optional[int]): entries per row allocated up front (default ``max_seq_len``);
             the buffers grow on demand up to ``max_seq_len``. Ignored when ``static``.
         static (bool): allocate ``max_seq_len`` entries per row and never grow or read fill levels back.
         score_history (int): router scores of the last tokens kept per row, for a student that ranks a token
             among its predecessors' scores (``window_topk``: w − 1); 0 keeps none.
+        router_carry_dim (int): width of the causal router's carried term (``CausalRouter.carry_dim``: its
+            hidden width when it reads the previous token); 0 keeps none.
 
     Buffers (``n`` = entries allocated per row, ``allocated_entries``):
         k_cache, v_cache: ``[b, n_kv, n + 1, h_d]``; the last entry is a scratch slot that absorbs the
@@ -59,7 +62,8 @@ class SelectiveKVCache(nn.Module):
         fill: ``[b]`` number of stored entries per row.
         seen: ``[]`` number of layout slots consumed so far (tokens seen per row, run or skipped): the slot
             of the current chunk's first token.
-        last_input: ``[b, d]`` the previous token's layer input, per row.
+        router_carry: ``[b, router_carry_dim]`` the previous token's term for the causal router of the next
+            token (``CausalRouter.forward(..., return_carried=True)``), per row.
         last_output: ``[b, d]`` the previous token's routed output before any skip-path forecast, per row
             (the TPN's input when ``skip_update: predicted``).
         recent_scores, recent_scores_valid: ``[b, score_history]`` fp32 router scores of the last tokens,
@@ -77,6 +81,7 @@ class SelectiveKVCache(nn.Module):
         initial_entries: Optional[int] = None,
         static: bool = False,
         score_history: int = 0,
+        router_carry_dim: int = 0,
     ) -> None:
         super().__init__()
         initial_entries = max_seq_len if (initial_entries is None or static) else initial_entries
@@ -97,7 +102,7 @@ class SelectiveKVCache(nn.Module):
         )
         self.register_buffer("fill", torch.zeros(batch_size, dtype=torch.long), persistent=False)
         self.register_buffer("seen", torch.zeros((), dtype=torch.long), persistent=False)
-        self.register_buffer("last_input", torch.zeros(batch_size, embed_dim, dtype=dtype), persistent=False)
+        self.register_buffer("router_carry", torch.zeros(batch_size, router_carry_dim, dtype=dtype), persistent=False)
         self.register_buffer("last_output", torch.zeros(batch_size, embed_dim, dtype=dtype), persistent=False)
         self.register_buffer("recent_scores", torch.zeros(batch_size, score_history), persistent=False)
         self.register_buffer(
@@ -114,7 +119,7 @@ class SelectiveKVCache(nn.Module):
         self.entry_slots.zero_()
         self.fill.zero_()
         self.seen.zero_()
-        self.last_input.zero_()
+        self.router_carry.zero_()
         self.last_output.zero_()
         self.recent_scores.zero_()
         self.recent_scores_valid.zero_()
@@ -234,6 +239,12 @@ class SelectiveKVCache(nn.Module):
         return write_at
 
     # -- state carried to the next chunk: the layer hands it over, the cache writes it --------------
+    def carry_router_term(self, term: Optional[torch.Tensor]) -> None:
+        """Keep each row's ``term [b, router_carry_dim]``, what the chunk's last token hands the causal router of
+        the next chunk's first token (None: the router reads no previous token, nothing to keep)."""
+        if term is not None:
+            self.router_carry.copy_(term.detach())
+
     def carry_scores(self, recent: torch.Tensor, recent_valid: torch.Tensor) -> None:
         """Keep the router scores a window top-k student ranks the next chunk's tokens among:
         ``recent [b, score_history]`` fp32, oldest first, and ``recent_valid [b, score_history]`` bool, which
@@ -248,10 +259,8 @@ class SelectiveKVCache(nn.Module):
         self.last_output.copy_(out[:, -1].detach())
 
     def advance(self, x: torch.Tensor) -> None:
-        """End a chunk of layer inputs ``x [b, s, d]``: keep each row's last input (the causal router's
-        x_{t−1} for the next chunk's first token) and move ``seen`` on by the s layout slots it consumed.
-        Called once per forward, after everything that reads ``seen`` or the carried state."""
-        self.last_input.copy_(x[:, -1].detach())
+        """End a chunk of layer inputs ``x [b, s, d]``: move ``seen`` on by the s layout slots it consumed.
+        Called once per forward, after everything that reads ``seen``."""
         self.seen.add_(x.shape[1])
 
     def make_room(self, num_new: int) -> None:
