@@ -313,9 +313,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         """Causal router logits ``[b, s]`` (fp32) from detached inputs (the student never trains the backbone)."""
         if cache is None:
             return self.causal_router(x.detach(), starts)
-        carried = cache.router_carry if self.causal_router.carry_dim else None
+        # A router without the previous token reads no carried term and hands none on (``router_carry`` is [b, 0]).
         logits, carry = self.causal_router(
-            x.detach(), starts, carried, folded=self._router_weights(cache), return_carried=True
+            x.detach(), starts, cache.router_carry, folded=self._router_weights(cache), return_carried=True
         )
         cache.carry_router_term(carry)  # read by this chunk only above: the next chunk's first token's term
         return logits
