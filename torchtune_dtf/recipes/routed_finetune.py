@@ -79,6 +79,7 @@ from torchtune_dtf.training.recipe_checks import (
 from torchtune_dtf.training.routing_losses import distillation_loss, routing_metrics, training_loss
 from torchtune_dtf.data.checks import check_local_text_files, check_text_column
 from torchtune_dtf.data.collate import padded_collate_packed_dense
+from torchtune_dtf.training.skip_bias_init import init_skip_biases
 from torchtune_dtf.training.schedules import (
     BetaSchedule,
     CapacityCurriculum,
@@ -155,6 +156,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             self._calibration_batches = cfg.student_calibration.batches
             self._calibration_rounds = cfg.student_calibration.rounds
             BetaSchedule(**cfg.beta_schedule, total_steps=1)  # its checks, before any work (total comes with the data)
+        # Absent: every skip bias starts at zero, as every run before the section existed did.
+        self._skip_bias_init_batches = cfg.skip_bias_init.batches if "skip_bias_init" in cfg else 0
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
@@ -225,6 +228,8 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         if self._routed:
             self._beta_schedule = BetaSchedule(**cfg.beta_schedule, total_steps=self._total_steps)
         self._ignore_labels = torch.full((cfg.batch_size, 1), self._loss_fn.ignore_index, device=self._device)
+        if self._skip_bias_init_batches and not self._resume_from_checkpoint:  # a resumed run has its biases
+            self._init_skip_biases()
 
     def _setup_model(self, cfg: DictConfig, state_dict: Dict[str, Any]) -> nn.Module:
         with training.set_default_dtype(self._dtype), torch.device("meta" if self._distributed else self._device):
@@ -548,18 +553,34 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             output_dir=os.path.join(self._output_dir, f"epoch_{self.epochs_run - 1}"), metric_logger=self._metric_logger,
         )
 
+    def _first_training_batches(self, count: int) -> List[Dict[str, Optional[torch.Tensor]]]:
+        """The first ``count`` batches of the training set in dataset order (the same on every rank, whatever the
+        shuffle), as :data:`~torchtune_dtf.training.calibration.CalibrationBatch` es on the device."""
+        dataset, collate = self._dataloader.dataset, self._dataloader.collate_fn
+        size = self._dataloader.batch_size
+        return [
+            {k: (v.to(self._device) if v is not None else None) for k, v in batch_for_calibration(
+                collate([dataset[i] for i in range(n * size, (n + 1) * size)]), self._loss_fn.ignore_index).items()}
+            for n in range(min(count, len(dataset) // size))
+        ]
+
+    def _init_skip_biases(self) -> None:
+        """Before step 0: each skip bias starts at the mean update of the tokens it stands in for, measured on the
+        first ``skip_bias_init.batches`` training batches with the loaded model (a routed layer: the tokens its
+        teacher skips at step 0). See :mod:`torchtune_dtf.training.skip_bias_init`."""
+        batches = self._first_training_batches(self._skip_bias_init_batches)
+        norms = init_skip_biases(self._model, batches, lambda: self._routing_context("teacher"),
+                                 all_reduce=self._distributed)
+        if self._is_rank_zero:
+            log.info(f"Skip biases set to the mean skipped update on {len(batches)} training batches (‖b‖): "
+                     + ", ".join(f"layer {i}: {n:.3f}" for i, n in norms.items()))
+
     def _calibrate_student(self) -> None:
         """Before the final save: shift each threshold student's router bias so that it executes, on the
         first ``student_calibration.batches`` training batches (dataset order, the same on every rank), what
         its teacher executes there (γ for top-k teachers). See :mod:`torchtune_dtf.training.calibration`."""
-        dataset, collate = self._dataloader.dataset, self._dataloader.collate_fn
-        size = self._dataloader.batch_size
-        count = min(self._calibration_batches, len(dataset) // size)
-        batches = [
-            {k: (v.to(self._device) if v is not None else None) for k, v in batch_for_calibration(
-                collate([dataset[i] for i in range(n * size, (n + 1) * size)]), self._loss_fn.ignore_index).items()}
-            for n in range(count)
-        ]
+        batches = self._first_training_batches(self._calibration_batches)
+        count = len(batches)
         teacher = self._routing_context("teacher")
         teacher.capacity_progress = 1.0
         report = calibrate_to_teacher(self._model, batches, teacher, rounds=self._calibration_rounds)

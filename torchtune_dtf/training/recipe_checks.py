@@ -137,6 +137,8 @@ def _check_values(cfg: DictConfig, variant: Optional[str]) -> None:
         problems.append(f"clip_grad_norm must be > 0 or null, got {cfg.clip_grad_norm!r}")
     if "student_calibration" in cfg:
         problems += _calibration_problems(cfg, variant)
+    if "skip_bias_init" in cfg:
+        problems += _skip_bias_init_problems(cfg)
     if problems:
         raise ValueError("Invalid config values:\n  - " + "\n  - ".join(problems))
 
@@ -159,6 +161,17 @@ def _calibration_problems(cfg: DictConfig, variant: Optional[str]) -> List[str]:
     if mode in ("topk", "window_topk"):
         return [f"student_calibration.batches > 0, but student_routing_mode {mode!r} already runs γ by rank; "
                 "calibration shifts the threshold of a 'threshold' student. Set student_calibration.batches: 0"]
+    return []
+
+
+def _skip_bias_init_problems(cfg: DictConfig) -> List[str]:
+    # Optional section (absent: the biases start at zero, as before it existed); present, it must say how many batches.
+    batches = cfg.skip_bias_init.get("batches") if isinstance(cfg.skip_bias_init, DictConfig) else None
+    if not (isinstance(batches, int) and not isinstance(batches, bool) and batches >= 0):
+        return [f"skip_bias_init.batches must be an integer ≥ 0 (0 = the biases start at zero), got {batches!r}"]
+    if batches and cfg.model.get("skip_update") != "bias":
+        return [f"skip_bias_init.batches > 0 sets skip biases, but model.skip_update is {cfg.model.get('skip_update')!r} "
+                "(no skip bias to set); use model.skip_update: bias or skip_bias_init.batches: 0"]
     return []
 
 
