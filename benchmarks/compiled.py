@@ -163,6 +163,32 @@ def flop_ratios(sections: Dict[str, Dict], prefill_len: int, context: int, conte
     return out
 
 
+def byte_ratios(sections: Dict[str, Dict], context: int, context_b8: int, executed: Dict[str, Dict[int, float]],
+                decode_batches=(8,), bytes_per_value: int = 4) -> Dict[str, Dict[str, float]]:
+    """Closed-form routed/dense bytes one decode step reads (block weights, K/V, head, routers): the ideal where a
+    step is bound by memory traffic, as small-batch decoding is. A routed layer's weights are read on every step
+    on which any row runs it: at batch 1 the steps its token runs (the measured executed fraction); in a top-k
+    step ⌊γ·b⌋ rows run every time, so from b ≥ 1/γ a routed layer reads all its weights and saves only arithmetic."""
+    out = {}
+    shape = cf.model_shape_from_config(sections["dense"])
+    for label, section in sections.items():
+        routing = cf.routing_shape_from_model_config(section, shape.num_layers, shape.embed_dim)
+        gammas = routing.gamma_of()
+        fractions = executed.get(label, {})
+        rows = {i: fractions.get(i, g) for i, g in gammas.items()}
+        held = lambda g, ctx: ctx if routing.skipped_tokens_write_kv else g * ctx  # noqa: E731  entries a row reads
+        out[label] = {"decode_b1": cf.decode_bytes_ratio(
+            shape, routing, bytes_per_value=bytes_per_value, batch=1, context=context, runs=rows,
+            kv_entries={i: rows[i] * held(rows[i], context) for i in rows})["ratio"]}
+        for b in decode_batches:
+            running = {i: cf.num_selected(g, b) for i, g in gammas.items()}  # rows per step (top-k over rows)
+            out[label][f"decode_b{b}"] = cf.decode_bytes_ratio(
+                shape, routing, bytes_per_value=bytes_per_value, batch=b, context=context_b8,
+                runs={i: float(n > 0) for i, n in running.items()},
+                kv_entries={i: running[i] * held(gammas[i], context_b8) for i in running})["ratio"]
+    return out
+
+
 def count_ops(fn: Callable[[], object]) -> int:
     """Operators one call runs on the CPU: aten ops recorded by the profiler (compiled kernels count as the
     ops they replaced only where inductor left them as aten calls)."""
@@ -311,13 +337,20 @@ def run(args) -> Dict:
     def log(msg):
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
+    executed: Dict[str, Dict[int, float]] = {}
+
     def save():
+        # The closed-form ideals at every save (decode b1's from the fractions measured so far), so that a run
+        # stopped part way (a model that fails to compile) still writes them beside the times it has.
+        results["flop_ratios"] = flop_ratios(sections, args.prefill_len, args.context, args.context_b8,
+                                             args.train_len, executed, args.decode_batches)
+        results["byte_ratios"] = byte_ratios(sections, args.context, args.context_b8, executed, args.decode_batches,
+                                             bytes_per_value=2 if args.dtype == "bf16" else 4)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         (out / "results.md").write_text(render(results))
 
-    executed: Dict[str, Dict[int, float]] = {}
     with subnormals_flushed(True):
         for mode in args.modes:
             compiled = mode == "compiled"
@@ -393,19 +426,20 @@ def run(args) -> Dict:
                     model.eval()
                 save()
             del models
-    results["flop_ratios"] = flop_ratios(sections, args.prefill_len, args.context, args.context_b8, args.train_len,
-                                         executed, args.decode_batches)
     save()
     return results
 
 
 def render(results: Dict) -> str:
     flops = results.get("flop_ratios", {})
+    nbytes = results.get("byte_ratios", {})
     lines = [
         f"# Compiled and eager, routed / dense ({results['shape']} shape)", "",
         f"`{results['command']}` — {results['date']}, {results['device']}; median over {results['rounds']} "
         "interleaved rounds of each round's model/dense ratio in the same mode (dense = 1), the rounds' lowest and "
-        "highest in brackets. FLOPs: closed form (`torchtune_dtf/closed_form.py`), the ideal. Decode steps read "
+        "highest in brackets. FLOPs: closed form (`torchtune_dtf/closed_form.py`), the ideal where arithmetic bounds "
+        "the step; bytes read: the closed form's decode traffic (weights of every layer any row runs, K/V, head), the "
+        "ideal where memory does, as in small-batch decoding. Decode steps read "
         + ("a fixed random token stream (the same for every model)" if results.get("decode_input", "greedy") == "forced"
            else "the token each model sampled (greedy)") + ".", "",
     ]
@@ -431,13 +465,15 @@ def render(results: Dict) -> str:
                 cells += [f"{1e3 * median(times[label]):.1f}", f"{time_ratio:.3f}{spread}",
                           f"{time_ratio - ratio:+.3f}" if ratio is not None and label != "dense" else ""]
             cells.append(f"{ratio:.3f}" if ratio is not None else "")
+            byte_ratio = nbytes.get(label, {}).get(key)
+            cells.append(f"{byte_ratio:.3f}" if byte_ratio is not None else "")
             rows.append(cells)
         if not any(any(c for c in row[1:7]) for row in rows):
             continue
         lines += [f"## {title}", "",
                   "| model | eager ms | eager / dense | eager − FLOPs | compiled ms | compiled / dense | compiled − FLOPs "
-                  "| FLOPs / dense |",
-                  "|---|---|---|---|---|---|---|---|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+                  "| FLOPs / dense | bytes read / dense |",
+                  "|---|---|---|---|---|---|---|---|---|", *("| " + " | ".join(r) + " |" for r in rows), ""]
         if key == "decode_b1":
             for mode in ("eager", "compiled"):
                 entry = results["sections"].get(mode, {}).get(key)
@@ -452,7 +488,7 @@ def render(results: Dict) -> str:
             lines.append("")
     comparisons = []
     for hybrid, baseline in BASELINE_OF.items():
-        if hybrid not in results["models"]:
+        if hybrid not in results["models"] or baseline not in results["models"]:  # a pair needs both runs
             continue
         for mode in ("eager", "compiled"):
             for key, title in workloads:

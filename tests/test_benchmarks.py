@@ -454,8 +454,26 @@ def test_compiled_benchmark_times_every_model_and_workload_against_dense(tmp_pat
             assert 0.5 < ratios["decode_b1"] < 1.1, (label, ratios)
     ops = eager["decode_b1"]["ops_per_step"]
     assert set(ops) == models and all(n > 0 for n in ops.values())
+    # Bytes read per decode step: at batch 1 a routed layer's weights are read on the steps its token runs; a top-k
+    # step runs ⌊γ·8⌋ = 4 rows every time, so every routed layer's weights are read and only arithmetic is saved.
+    shape = cf.model_shape_from_config(compiled.plan_models("tiny")["dense"])
+    for label, ratios in results["byte_ratios"].items():
+        if label == "dense":
+            assert ratios == {"decode_b1": 1.0, "decode_b8": 1.0}
+            continue
+        # (the tiny shape's routers weigh like a good part of its blocks, so these ratios sit near 1)
+        assert ratios["decode_b1"] <= ratios["decode_b8"], (label, ratios)
+        routing = cf.routing_shape_from_model_config(compiled.plan_models("tiny")[label], shape.num_layers,
+                                                              shape.embed_dim)
+        all_weights = cf.decode_step_bytes(shape, routing, bytes_per_value=4, batch=8, context=16,
+                                                    runs={i: 1.0 for i in routing.gamma_of()})
+        dense = cf.decode_step_bytes(shape, cf.RoutingShape.dense(), bytes_per_value=4, batch=8,
+                                              context=16)
+        assert all_weights.block_weights == dense.block_weights  # every layer's weights, as dense
+        assert ratios["decode_b8"] > results["flop_ratios"][label]["decode_b8"], (label, ratios)
     report = (tmp_path / "results.md").read_text()
     assert "## prefill b1 × 64" in report and "aten ops per decode step (eager)" in report
+    assert "| bytes read / dense |" in report
 
 
 def test_attention_work_times_the_routed_layer_chunked_and_as_one_call(tmp_path):
