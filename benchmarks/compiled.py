@@ -64,8 +64,10 @@ SMOLLM2_RECIPES = [
     ("stt_papers_50", FRONTIER, "stt_papers_50"),
     ("hybrid_0.90", BUDGET, "stt_d4_bi2_g625_all_nocurr_fixedcrit_bias_rlr10"),
     ("layerdrop_4", FRONTIER, "layerdrop_4_distill_bias"),
+    ("layerdrop_5", BUDGET, "layerdrop_5_distill_bias"),
     ("hybrid_0.81", BUDGET, "stt_d5_bi6_all_nocurr_fixedcrit_bias_rlr10"),
     ("layerdrop_7", FRONTIER, "layerdrop_7_distill"),
+    ("layerdrop_8", BUDGET, "layerdrop_8_distill"),
     ("hybrid_0.72", FRONTIER, "stt_d6_bi10_all_rlr10"),
     ("layerdrop_10", FRONTIER, "layerdrop_10_distill"),
 ]
