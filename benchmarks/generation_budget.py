@@ -1,8 +1,11 @@
 """Does a trained student execute its budget while it generates? (issue 47, item 4)
 
-    python -m benchmarks.generation_budget --work quickstart_work [--windows 16 32 64] [--max-new-tokens 32 256]
+    python -m benchmarks.generation_budget --work quickstart_work [--run recommended_0_81] [--windows 16 32 64] \
+        [--max-new-tokens 32 256]
 
-For the quickstart's trained STT checkpoint (``bash scripts/quickstart.sh`` writes it) and each student rule
+For a trained quickstart checkpoint (``--run``: ``recommended_0_81``, the quickstart's routed run that
+``bash scripts/quickstart.sh`` writes, or ``stt``, the papers' setting ``configs/quickstart/stt_smollm2.yaml``
+trained into ``quickstart_work/stt``) and each student rule
 (the calibrated ``threshold`` the training config validates, and ``window_topk`` at each window, the shipped
 generate and eval configs' rule at 64), it
 
@@ -27,8 +30,15 @@ from statistics import mean
 from typing import Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
-GENERATE_CONFIG = REPO / "configs" / "quickstart" / "generate_stt_smollm2.yaml"
-TRAIN_CONFIG = REPO / "configs" / "quickstart" / "stt_smollm2.yaml"
+CONFIGS = REPO / "configs" / "quickstart"
+
+
+def train_config(run: str) -> Path:
+    return CONFIGS / f"{run}_smollm2.yaml"
+
+
+def generate_config(run: str) -> Path:
+    return CONFIGS / f"generate_{run}_smollm2.yaml"
 PROMPTS = (
     "Shall I compare thee to a summer's day?",   # the generate config's own prompt
     "The king rode out at dawn, and",
@@ -37,23 +47,23 @@ PROMPTS = (
 MARKER = re.compile(r"executed fraction per routed layer: (.*); mean ([0-9.]+)")
 
 
-def student_overrides(rule: str) -> List[str]:
+def student_overrides(rule: str, run: str) -> List[str]:
     """Command-line overrides that set the student rule (everything else stays as configured): ``threshold``
     is the training config's calibrated threshold student, ``window_topk_W`` the window top-k over W scores."""
     if rule == "threshold":
         from omegaconf import OmegaConf
 
-        trained = OmegaConf.load(TRAIN_CONFIG).model
+        trained = OmegaConf.load(train_config(run)).model
         return ["model.student_routing_mode=threshold", f"model.student_threshold={trained.student_threshold}",
                 "model.student_window=null"]
     window = int(rule.split("_")[-1])
     return ["model.student_routing_mode=window_topk", "model.student_threshold=null", f"model.student_window={window}"]
 
 
-def generate(work: Path, rule: str, prompt: str, max_new_tokens: int) -> Dict:
+def generate(work: Path, run: str, rule: str, prompt: str, max_new_tokens: int) -> Dict:
     tune = Path(sys.executable).with_name("tune")
-    cmd = [str(tune), "run", "torchtune_dtf/recipes/routed_generate.py", "--config", str(GENERATE_CONFIG),
-           f"prompt.user={prompt}", f"max_new_tokens={max_new_tokens}", *student_overrides(rule)]
+    cmd = [str(tune), "run", "torchtune_dtf/recipes/routed_generate.py", "--config", str(generate_config(run)),
+           f"prompt.user={prompt}", f"max_new_tokens={max_new_tokens}", *student_overrides(rule, run)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
     out = proc.stdout + proc.stderr
@@ -66,7 +76,7 @@ def generate(work: Path, rule: str, prompt: str, max_new_tokens: int) -> Dict:
             "executed_per_layer": per_layer, "text": text.group(1).strip() if text else None}
 
 
-def heldout(work: Path, rule: str, windows: int, seq_len: int) -> Dict:
+def heldout(work: Path, run: str, rule: str, windows: int, seq_len: int) -> Dict:
     from torchtune_dtf.evaluation import routing_report
 
     cwd = os.getcwd()
@@ -74,9 +84,9 @@ def heldout(work: Path, rule: str, windows: int, seq_len: int) -> Dict:
     try:
         report = routing_report.main([
             "--dense", str(REPO / "configs/quickstart/dense_smollm2.yaml"), str(work / "dense" / "epoch_0"),
-            "--routed", str(TRAIN_CONFIG), str(work / "stt" / "epoch_0"),
+            "--routed", str(train_config(run)), str(work / run / "epoch_0"),
             "--heldout", str(work / "corpus" / "heldout.jsonl"), "--windows", str(windows), "--seq-len", str(seq_len),
-            *student_overrides(rule),
+            *student_overrides(rule, run),
         ])
     finally:
         os.chdir(cwd)
@@ -86,7 +96,8 @@ def heldout(work: Path, rule: str, windows: int, seq_len: int) -> Dict:
 
 
 def render(results: Dict) -> str:
-    lines = [f"# Executed fraction in generation vs budget ({results['budget']}), quickstart STT checkpoint", "",
+    lines = [f"# Executed fraction in generation vs budget ({results['budget']}), quickstart `{results.get('run', 'stt')}` "
+             "checkpoint", "",
              f"`{results['command']}` on {results['date']}; the quickstart's checkpoint "
              f"(`{results['checkpoint']}`), greedy, fp32, CPU.", "",
              "## routed_generate (prompt tokens + one per decode step, mean over routed layers)", "",
@@ -115,6 +126,8 @@ def render(results: Dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=REPO / "quickstart_work")
+    parser.add_argument("--run", default="stt", choices=["stt", "recommended_0_81"],
+                        help="the quickstart run whose checkpoint (WORK/RUN/epoch_0) and configs are measured")
     parser.add_argument("--windows", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--max-new-tokens", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--heldout-windows", type=int, default=16)
@@ -122,27 +135,27 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "generation_budget")
     args = parser.parse_args(argv)
     work = args.work.resolve()
-    if not (work / "stt" / "epoch_0").is_dir() or work.name != "quickstart_work":
-        raise SystemExit(f"{work}/stt/epoch_0 not found (a folder named quickstart_work, as the quickstart writes it): "
-                         "run `bash scripts/quickstart.sh` first")
+    if not (work / args.run / "epoch_0").is_dir() or work.name != "quickstart_work":
+        raise SystemExit(f"{work}/{args.run}/epoch_0 not found (a folder named quickstart_work, as the quickstart writes "
+                         "it): run `bash scripts/quickstart.sh` first (the papers' setting: tune run its config)")
     rules = ["threshold"] + [f"window_topk_{w}" for w in args.windows]
     from omegaconf import OmegaConf
 
-    capacity = OmegaConf.load(GENERATE_CONFIG).model.capacity
+    capacity = OmegaConf.load(generate_config(args.run)).model.capacity
     budget = mean(capacity) if isinstance(capacity, Sequence) else float(capacity)
 
     results = {
         "command": "python -m benchmarks.generation_budget " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.date.today().isoformat(), "checkpoint": str(work / "stt" / "epoch_0"),
+        "date": datetime.date.today().isoformat(), "run": args.run, "checkpoint": str(work / args.run / "epoch_0"),
         "budget": budget, "rules": rules,
         "prompts": list(PROMPTS), "max_new_tokens": args.max_new_tokens, "generation": [], "heldout": [],
     }
     for rule in rules:
         for length in args.max_new_tokens:
             for prompt in PROMPTS:
-                results["generation"].append(generate(work, rule, prompt, length))
+                results["generation"].append(generate(work, args.run, rule, prompt, length))
                 print(json.dumps({k: v for k, v in results["generation"][-1].items() if k != "text"}), flush=True)
-        results["heldout"].append(heldout(work, rule, args.heldout_windows, args.seq_len))
+        results["heldout"].append(heldout(work, args.run, rule, args.heldout_windows, args.seq_len))
         print(json.dumps(results["heldout"][-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
