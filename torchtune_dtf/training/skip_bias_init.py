@@ -93,7 +93,7 @@ def mean_skipped_updates(
     Args:
         model: a routed decoder (plain or FSDP2-sharded) whose layers are called with keyword ``mask``,
             ``input_pos`` and ``routing``, as torchtune's decoder calls them.
-        batches: the text (:data:`~torchtune_dtf.training.calibration.CalibrationBatch`); padding is skipped in no sum.
+        batches: the text (:data:`~torchtune_dtf.training.calibration.CalibrationBatch`); padding is in no sum.
         routing: makes each batch's fresh :class:`RoutingContext`; its mode decides what a routed layer skips
             (``"teacher"``: the teacher's selection, as training skips).
         all_reduce (bool): sum over the ranks of the default process group (each rank passing its own batches).
