@@ -142,6 +142,15 @@ def build_models(sections: Dict[str, Dict], student: str, device: torch.device, 
     return models
 
 
+def _decode_b1_load(routing, fractions: Dict[int, float], context: int):
+    """A batch-1 decode step's load per routed layer at the measured executed ``fractions`` (γ where none):
+    ``rows`` (the share of steps the layer runs) and ``kv`` (cache entries read per step: a running row reads every
+    entry when skipped tokens keep their K/V, else the layer's share of the context)."""
+    rows = {i: fractions.get(i, g) for i, g in routing.gamma_of().items()}
+    kv = {i: rows[i] * (context if routing.skipped_tokens_write_kv else rows[i] * context) for i in rows}
+    return rows, kv
+
+
 def flop_ratios(sections: Dict[str, Dict], prefill_len: int, context: int, context_b8: int, train_len: int,
                 executed: Dict[str, Dict[int, float]], decode_batches=(8,)) -> Dict[str, Dict[str, float]]:
     """Closed-form routed/dense FLOP ratios: prefill (⌊γ·T⌋ per routed layer), decode b1 at ``context`` with the
@@ -151,9 +160,7 @@ def flop_ratios(sections: Dict[str, Dict], prefill_len: int, context: int, conte
     dense_routing = cf.RoutingShape.dense()
     for label, section in sections.items():
         routing = cf.routing_shape_from_model_config(section, shape.num_layers, shape.embed_dim)
-        fractions = executed.get(label, {})
-        rows = {i: fractions.get(i, g) for i, g in routing.gamma_of().items()}
-        kv = {i: rows[i] * (context if routing.skipped_tokens_write_kv else rows[i] * context) for i in rows}
+        rows, kv = _decode_b1_load(routing, executed.get(label, {}), context)
         out[label] = {
             "prefill": cf.flop_ratio(shape, routing, prefill_len),
             "decode_b1": cf.decode_step_flops(shape, routing, batch=1, context=context, rows=rows, kv_entries=kv)
@@ -176,18 +183,16 @@ def byte_ratios(sections: Dict[str, Dict], context: int, context_b8: int, execut
     for label, section in sections.items():
         routing = cf.routing_shape_from_model_config(section, shape.num_layers, shape.embed_dim)
         gammas = routing.gamma_of()
-        fractions = executed.get(label, {})
-        rows = {i: fractions.get(i, g) for i, g in gammas.items()}
-        held = lambda g, ctx: ctx if routing.skipped_tokens_write_kv else g * ctx  # noqa: E731  entries a row reads
+        rows, kv = _decode_b1_load(routing, executed.get(label, {}), context)
         out[label] = {"decode_b1": cf.decode_bytes_ratio(
-            shape, routing, bytes_per_value=bytes_per_value, batch=1, context=context, runs=rows,
-            kv_entries={i: rows[i] * held(rows[i], context) for i in rows})["ratio"]}
+            shape, routing, bytes_per_value=bytes_per_value, batch=1, context=context, runs=rows, kv_entries=kv)["ratio"]}
         for b in decode_batches:
             running = {i: cf.num_selected(g, b) for i, g in gammas.items()}  # rows per step (top-k over rows)
+            held = {i: context_b8 if routing.skipped_tokens_write_kv else g * context_b8 for i, g in gammas.items()}
             out[label][f"decode_b{b}"] = cf.decode_bytes_ratio(
                 shape, routing, bytes_per_value=bytes_per_value, batch=b, context=context_b8,
                 runs={i: float(n > 0) for i, n in running.items()},
-                kv_entries={i: running[i] * held(gammas[i], context_b8) for i in running})["ratio"]
+                kv_entries={i: running[i] * held[i] for i in running})["ratio"]
     return out
 
 

@@ -170,8 +170,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         raise ValueError(f"{args.timing} has no {args.mode} section (it has {sorted(timing['sections'])})")
     costs = measured_costs(timing, args.mode)
     names = {label: name for label, _, name in SMOLLM2_RECIPES}
-    found = {label: study_points(args.study, [names.get(label, label)]).get(names.get(label, label)) for label in costs}
-    found = {label: point for label, point in found.items() if point is not None}
+    points = study_points(args.study, [names.get(label, label) for label in costs])  # the run JSONs read once
+    found = {label: points[names.get(label, label)] for label in costs if names.get(label, label) in points}
     losses = {label: loss for label, (loss, _, _) in found.items()}
     seeds = {label: n for label, (_, _, n) in found.items()}
     for label, (_, flops, _) in found.items():
