@@ -17,6 +17,24 @@ from torchtune.modules import RMSNorm
 from torchtune_dtf.modules.routing_module import RoutingModule
 
 
+@torch.library.custom_op("torchtune_dtf::carried_copy", mutates_args=())
+def carried_copy(carried: torch.Tensor) -> torch.Tensor:
+    """A copy of the term a cache carries, made by an operator inductor does not fuse (compiled code only).
+
+    Why: a decode step reads the carried term and overwrites it with its own last token's term in the same
+    graph. On the CPU, inductor (torch 2.13, still on 2.14) fuses the reader and the write into one outer loop
+    with the RMSNorm's reduction and then looks up the write's ordering-only dependency as a read, failing with
+    ``KeyError: 'bufN'`` (pytorch/pytorch#188228): the papers' STT compiled at decode batch 8 hit it. Reading the
+    term through this opaque copy keeps the write out of that fused loop; eager code does not call it.
+    """
+    return carried.clone()
+
+
+@carried_copy.register_fake
+def _(carried: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(carried)
+
+
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, without calling the operator when ``t`` already has the dtype (``to`` would return ``t``
     itself): the router runs on one token per layer and decode step, where each operator call costs more than
@@ -166,6 +184,8 @@ class CausalRouter(RoutingModule):
         hidden_dim = both.shape[-1] // 2
         current, to_next = both[..., :hidden_dim], both[..., hidden_dim:]  # to_next: token t's term for token t+1
         first = torch.zeros_like(to_next[:, :1]) if carried is None else carried[:, None].to(x.dtype)
+        if carried is not None and torch.compiler.is_compiling():
+            first = carried_copy(first)  # an inductor bug, see carried_copy
         # One token (a decode step): its predecessor's term is the carried one; no copy through an empty shift.
         from_previous = first if x.shape[1] == 1 else torch.cat([first, to_next[:, :-1]], dim=1)
         # RMSNorm(0) = 0, so a token that starts a sequence (document, or after left padding) gets nothing.
