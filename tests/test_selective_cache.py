@@ -125,6 +125,28 @@ def test_cache_is_allocated_by_capacity_and_grows_without_losing_entries(variant
     assert grown, "no cache outgrew its initial allocation; the growth path went untested"
 
 
+@pytest.mark.parametrize("student", ["topk", "threshold"])
+def test_eager_prefill_allocates_what_runs_not_the_whole_prompt(student):
+    # A 30-token prompt at γ = 0.5 stores about 15 entries per routed layer: they fit the ⌈γ·max_seq_len⌉ = 20
+    # allocated up front, so the cache must not grow to the prompt's 30 (which would be a dense layer's memory).
+    overrides = dict(student_routing_mode="topk", student_threshold=None, allow_noncausal_student_topk=True) \
+        if student == "topk" else dict(student_threshold=0.5)
+    model = build_tiny("mod", **overrides)
+    batch, prompt_len = 2, 30
+    tokens = torch.randint(0, VOCAB, (batch, prompt_len), generator=torch.Generator().manual_seed(5))
+    model.setup_caches(batch_size=batch, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
+    routed = [layer for layer in model.layers if isinstance(layer, RoutedSelfAttentionLayer)]
+    initial = {layer.layer_idx: layer.attn.kv_cache.allocated_entries for layer in routed}
+    ctx = RoutingContext(mode="student")
+    with torch.no_grad():
+        model(tokens, mask=causal_masks(batch, prompt_len), input_pos=torch.arange(prompt_len), routing=ctx)
+    for layer in routed:
+        cache, ran = layer.attn.kv_cache, ctx.layers[layer.layer_idx].selected_mask
+        assert 0 < int(ran.sum(-1).max()) <= initial[layer.layer_idx] < prompt_len, "the case proves nothing"
+        assert cache.fill.tolist() == ran.sum(-1).tolist()
+        assert cache.allocated_entries == initial[layer.layer_idx], "the prefill reserved room for tokens that skipped"
+
+
 def test_cache_growth_keeps_entries_and_stops_at_max_seq_len():
     cache = SelectiveKVCache(batch_size=2, num_kv_heads=1, head_dim=2, max_seq_len=10, embed_dim=4,
                              dtype=torch.float32, initial_entries=2)

@@ -106,11 +106,15 @@ class RoutedTransformerDecoder(TransformerDecoder):
     def _make_room_in_selective_caches(self, seq_len: int) -> None:
         """Before a cached forward of ``seq_len`` tokens per row, let every routed layer's cache grow if a
         row might overflow it. Host-side decisions about allocation happen here, outside the layers, so a
-        compiled layer never reads cache state back from the device (see ``SelectiveKVCache.make_room``)."""
+        compiled layer never reads cache state back from the device (see ``SelectiveKVCache.make_room``).
+        An eager layer's cache defers to its own writes, so it allocates what the layer stores, not ``seq_len``."""
+        compiling = torch.compiler.is_compiling()
         for layer in self.routed_layers():
             cache = layer.attn.kv_cache
             if cache is not None and layer.attn.cache_enabled:
-                cache.make_room(seq_len)
+                # ``Module.compile`` (torchtune's per-layer compile) sets ``_compiled_call_impl``.
+                eager = not compiling and getattr(layer, "_compiled_call_impl", None) is None
+                cache.make_room(seq_len, deferred=eager)
 
     def chunked_output(self, last_hidden_state: torch.Tensor) -> List[torch.Tensor]:
         """The output projection as torchtune's chunks (``torch.chunk`` along the sequence, for

@@ -512,7 +512,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                     selection = mask_selection(selected, row_count_extremes(selected).tolist())
             else:
                 selection = self.student_selection(logits, starts, cache, single_sequence=single_sequence)
-            gate = self.student_gate(x)
+            # A decode step in which no row runs the block applies no update, so it needs no gate (MoD's would
+            # be a router product and a sigmoid per skipped token).
+            gate = None if _every_row_skipped(selection, batch) else self.student_gate(x)
 
         out = routed_block_forward(
             self,

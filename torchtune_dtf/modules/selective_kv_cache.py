@@ -203,8 +203,9 @@ class SelectiveKVCache(nn.Module):
         """
         num_new = k.shape[2]
         if not (self.static or torch.compiler.is_compiling()):
-            # Eager: take the room from what the decoder announced (make_room), or announce it here.
-            # Compiled code reads no host-side state (it would become a guard): the decoder announced it.
+            # Eager: take the room from what the decoder announced (make_room), or make room here for the
+            # entries being written (the decoder defers to this for eager layers). Compiled code reads no
+            # host-side state (it would become a guard): the decoder announced it.
             if num_new > self._announced:
                 self.make_room(num_new)
             self._announced -= num_new
@@ -263,15 +264,22 @@ class SelectiveKVCache(nn.Module):
         Called once per forward, after everything that reads ``seen``."""
         self.seen.add_(x.shape[1])
 
-    def make_room(self, num_new: int) -> None:
+    def make_room(self, num_new: int, *, deferred: bool = False) -> None:
         """Announce that the next writes add at most ``num_new`` entries to any row, and make room for them.
 
         The decoder calls this for every routed layer before each forward (outside any compiled layer),
-        so ``append`` itself never decides an allocation. A growing cache raises its host-side bound of
+        so a compiled ``append`` never decides an allocation. A growing cache raises its host-side bound of
         the fullest row by ``num_new``; only when that bound exceeds the allocation does it read the true
         fill levels from the device (one host read) and grow. A static cache has room by construction.
+
+        ``deferred`` (the layer runs eagerly): announce nothing; ``append`` makes room for the entries it
+        really writes. A chunk of s tokens stores only those that run the block (⌊γ·s⌋ of a top-k row), so
+        room for all s would allocate a prompt's K/V as a dense layer does.
         """
         if self.static:
+            return
+        if deferred:
+            self._announced = 0
             return
         self._announced = num_new
         if self._fill_bound + num_new > self.allocated_entries:
