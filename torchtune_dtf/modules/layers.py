@@ -19,7 +19,7 @@ from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
 
 from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias
-from torchtune_dtf.modules.routed_block import routed_block_forward
+from torchtune_dtf.modules.routed_block import branching_decode_step, routed_block_forward
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, previous_token_states
 from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
 from torchtune_dtf.modules.selection import (
@@ -478,6 +478,12 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             positions, starts = self.token_layout(mask, input_pos, batch, seq_len, x.device)
         logits = self.student_logits(x, starts, cache)
         record = LayerRouting(student_logits=logits)
+        # A compiled decode step of one row by a counted student (threshold, window top-k): run-or-skip is a
+        # branch inside the graph (:func:`branching_decode_step`) instead of the host read of how many rows run.
+        branching = (
+            routing.mode == "student" and cache is not None and batch == 1 and seq_len == 1
+            and self.student_routing_mode in _COUNTED_MODES and torch.compiler.is_compiling()
+        )
 
         if routing.mode == "teacher":
             if cache is not None:
@@ -498,6 +504,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             if routing.execute == "student":
                 selection = student
             gate = self.training_gate(gate)
+            every_row_skipped = None  # no cache, so no decode step's rows
         else:
             if self.student_routing_mode in _COUNTED_MODES and logits.numel():
                 selected = self.student_mask(logits, starts, cache)
@@ -506,7 +513,10 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 # once, into the graph before the read and one graph per count after it. Read in
                 # student_selection, every frame down to the read split too (five graphs per decode step).
                 # ``tolist``: dynamo answers ``int()`` of a tensor with a warning that advises capturing scalars.
-                if cache is not None and seq_len == 1:
+                if branching:
+                    # Compiled, one row: the block runs or not by a branch on the device (no read, one graph).
+                    selection = Selection(positions=positions.new_zeros(1, 1), valid=None, mask=selected)
+                elif cache is not None and seq_len == 1:
                     selection = row_selection(selected, selected.sum().tolist())
                 else:
                     selection = mask_selection(selected, row_count_extremes(selected).tolist())
@@ -514,19 +524,23 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 selection = self.student_selection(logits, starts, cache, single_sequence=single_sequence)
             # A decode step in which no row runs the block applies no update, so it needs no gate (MoD's would
             # be a router product and a sigmoid per skipped token).
-            gate = None if _every_row_skipped(selection, batch) else self.student_gate(x)
+            every_row_skipped = _every_row_skipped(selection, batch)
+            gate = None if every_row_skipped else self.student_gate(x)
 
-        out = routed_block_forward(
+        # Filed before the block runs: dynamo (torch 2.13) drops attribute writes made after a torch.cond to an
+        # object created in the same graph, so after ``branching_decode_step`` this record would keep None.
+        record.selected_mask = selection.mask
+        block_forward = branching_decode_step if branching else routed_block_forward
+        out = block_forward(
             self,
             x,
-            selection,
+            selection.mask if branching else selection,
             gate if routing.apply_gate else None,
             positions=positions,
             mask=mask,
             cache=cache,
             skipped_tokens_write_kv=self.skipped_tokens_write_kv,
         )
-        every_row_skipped = _every_row_skipped(selection, batch)
         if self.skip_update == "predicted":
             # Token t's forecast reads token t−1's output without its own forecast: one parallel pass, causal.
             previous = previous_token_states(out, starts, None if cache is None else cache.last_output)
@@ -548,7 +562,6 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             cache.advance(x)
         if routing.mode == "student":  # the deployed router only (see routing_counts)
             self._count_student(selection.mask)
-        record.selected_mask = selection.mask
         routing.file_record(self, record)
         return out
 
