@@ -19,7 +19,7 @@ from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
 
 from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias
-from torchtune_dtf.modules.routed_block import branching_decode_step, routed_block_forward
+from torchtune_dtf.modules.routed_block import routed_block_forward
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, previous_token_states
 from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
 from torchtune_dtf.modules.selection import (
@@ -478,12 +478,6 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             positions, starts = self.token_layout(mask, input_pos, batch, seq_len, x.device)
         logits = self.student_logits(x, starts, cache)
         record = LayerRouting(student_logits=logits)
-        # A compiled decode step of one row by a counted student (threshold, window top-k): run-or-skip is a
-        # branch inside the graph (:func:`branching_decode_step`) instead of the host read of how many rows run.
-        branching = (
-            routing.mode == "student" and cache is not None and batch == 1 and seq_len == 1
-            and self.student_routing_mode in _COUNTED_MODES and torch.compiler.is_compiling()
-        )
 
         if routing.mode == "teacher":
             if cache is not None:
@@ -513,10 +507,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 # once, into the graph before the read and one graph per count after it. Read in
                 # student_selection, every frame down to the read split too (five graphs per decode step).
                 # ``tolist``: dynamo answers ``int()`` of a tensor with a warning that advises capturing scalars.
-                if branching:
-                    # Compiled, one row: the block runs or not by a branch on the device (no read, one graph).
-                    selection = Selection(positions=positions.new_zeros(1, 1), valid=None, mask=selected)
-                elif cache is not None and seq_len == 1:
+                if cache is not None and seq_len == 1:
                     selection = row_selection(selected, selected.sum().tolist())
                 else:
                     selection = mask_selection(selected, row_count_extremes(selected).tolist())
@@ -527,14 +518,10 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             every_row_skipped = _every_row_skipped(selection, batch)
             gate = None if every_row_skipped else self.student_gate(x)
 
-        # Filed before the block runs: dynamo (torch 2.13) drops attribute writes made after a torch.cond to an
-        # object created in the same graph, so after ``branching_decode_step`` this record would keep None.
-        record.selected_mask = selection.mask
-        block_forward = branching_decode_step if branching else routed_block_forward
-        out = block_forward(
+        out = routed_block_forward(
             self,
             x,
-            selection.mask if branching else selection,
+            selection,
             gate if routing.apply_gate else None,
             positions=positions,
             mask=mask,
@@ -562,6 +549,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             cache.advance(x)
         if routing.mode == "student":  # the deployed router only (see routing_counts)
             self._count_student(selection.mask)
+        record.selected_mask = selection.mask
         routing.file_record(self, record)
         return out
 

@@ -218,9 +218,12 @@ class SelectiveKVCache(nn.Module):
             counts = valid.sum(dim=-1)
             offsets = fill + torch.cumsum(valid.long(), dim=-1) - 1
             write_at = torch.where(valid, offsets, torch.full_like(offsets, self.allocated_entries))
-        if rows is None and valid is None:
+        if rows is None and valid is None and not torch.compiler.is_compiling():
             # Every row, every entry: a row's entries go to distinct indices, so one scatter along the entry axis
-            # per buffer writes them (the same values as the indexed write below, in fewer operators).
+            # per buffer writes them (the same values as the indexed write below, in fewer operators). Eager only:
+            # inductor (torch 2.13, CPU) does not write a scatter_ into the buffer in place but copies the whole
+            # buffer, scatters into the copy and copies it back, several times the cache per layer and decode step;
+            # the indexed write below it does in place.
             heads = write_at.view(k.shape[0], 1, num_new, 1).expand(-1, k.shape[1], -1, k.shape[3])
             dtype = self.k_cache.dtype  # no conversion operator for keys already in it (the usual case)
             self.k_cache.scatter_(2, heads, k if k.dtype == dtype else k.to(dtype))
