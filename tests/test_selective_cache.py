@@ -347,3 +347,29 @@ def test_dropped_layers_allocate_no_kv_cache_and_decode_like_the_full_forward(to
     model.reset_caches()
     with disable_kv_cache(model):
         torch.testing.assert_close(model(tokens, mask=causal_masks(3, tokens.shape[1], tokens.shape[1])), full)
+
+
+@pytest.mark.slow
+def test_compiled_every_row_write_stores_in_place():
+    # A decode step writes one entry per row. Compiled by inductor, a scatter_ into the buffer was not done in place:
+    # the generated code copied the whole K/V buffer, scattered into the copy and copied it back, several times the
+    # cache's bytes per layer and step. The write must store the entry and leave every loop over the buffer out.
+    from torch._inductor.utils import run_and_get_code
+
+    batch, heads, entries, head_dim = 1, 2, 4096, 16
+    cache = SelectiveKVCache(batch_size=batch, num_kv_heads=heads, head_dim=head_dim, max_seq_len=entries,
+                             embed_dim=32, dtype=torch.float32, static=True)
+    cache.fill.fill_(7)
+    key, value = torch.randn(batch, heads, 1, head_dim), torch.randn(batch, heads, 1, head_dim)
+
+    def step(key, value):
+        return cache.append(None, key, value, cache.layout_slots(torch.zeros(batch, 1, dtype=torch.long)))
+
+    torch._dynamo.reset()
+    written, code = run_and_get_code(torch.compile(step, backend="inductor", fullgraph=True), key, value)
+    torch._dynamo.reset()
+    assert written.tolist() == [[7]] and cache.fill.tolist() == [8]
+    torch.testing.assert_close(cache.k_cache[:, :, 7:8], key)
+    torch.testing.assert_close(cache.v_cache[:, :, 7:8], value)
+    buffer_size = heads * (entries + 1) * head_dim  # the scratch entry included
+    assert not any(f"{buffer_size}L" in source for source in code), "the compiled write copies the whole K/V buffer"
