@@ -204,6 +204,19 @@ def test_layer_timing_stamps_every_layer_inside_training_steps():
     assert (torch.tensor([1e-40]) * torch.tensor([1.0])).item() > 0  # flush-to-zero restored
 
 
+def test_decode_layer_calls_times_every_layer_call_of_every_step_by_kind():
+    from benchmarks import decode_layer_calls
+
+    steps = 4
+    result = decode_layer_calls.main(["--shape", "tiny", "--model", "mod_papers_50", "--eager", "--context", "32",
+                                      "--steps", str(steps), "--rounds", "1"])
+    calls = {kind: r["calls"] for kind, r in result.items() if kind != "step_ms"}
+    # Tiny shape: 4 layers, MoD on every other one; each step calls each layer once, a routed one runs or skips.
+    assert calls["plain layer"] == 2 * steps
+    assert calls.get("routed, ran its token", 0) + calls.get("routed, skipped it", 0) == 2 * steps
+    assert sum(r["ms_per_step"] for kind, r in result.items() if kind != "step_ms") < result["step_ms"]["ms_per_step"]
+
+
 # ---- per-token compute of the study driver: variants and technique options ----------------------------
 
 

@@ -90,9 +90,12 @@ def test_two_token_causal_router_uses_the_previous_token():
         router(x)
 
 
-def test_two_token_causal_router_equals_the_concatenated_reference():
+# The router scales whichever operand is smaller by the norm's scale: with 6 hidden units (12 weight rows) the
+# 12-token calls scale the input, with 2 (4 rows) they fold the scale into the weight; the chunks below mix both.
+@pytest.mark.parametrize("hidden_dim", [6, 2], ids=["input_scaled", "weight_folded"])
+def test_two_token_causal_router_equals_the_concatenated_reference(hidden_dim):
     torch.manual_seed(0)
-    router = CausalRouter(embed_dim=8, hidden_dim=6, use_previous_token=True, norm_eps=1e-6, init_std=0.5)
+    router = CausalRouter(embed_dim=8, hidden_dim=hidden_dim, use_previous_token=True, norm_eps=1e-6, init_std=0.5)
     with torch.no_grad():
         router.norm.scale.uniform_(0.5, 1.5)
         router.hidden.bias.uniform_(-0.5, 0.5)
@@ -111,7 +114,7 @@ def test_two_token_causal_router_equals_the_concatenated_reference():
     with torch.no_grad():
         whole = router(x, positions == 0)
         head_logits, carried = router(x[:, :4], positions[:, :4] == 0, return_carried=True)
-        assert carried.shape == (2, 6)
+        assert carried.shape == (2, hidden_dim)
         tail_logits = router(x[:, 4:], positions[:, 4:] == 0, carried)
         torch.testing.assert_close(torch.cat([head_logits, tail_logits], dim=1), whole, rtol=1e-5, atol=1e-6)
         later = torch.tensor([[6, 7], [4, 5]])
@@ -119,8 +122,12 @@ def test_two_token_causal_router_equals_the_concatenated_reference():
         torch.testing.assert_close(router(x[:, :2], later == 0, carried=router(x, positions == 0, return_carried=True)[1]),
                                    reference, rtol=1e-5, atol=1e-6)
         # Without the previous token's input there is nothing to carry.
-        single = CausalRouter(embed_dim=8, hidden_dim=6, use_previous_token=False, norm_eps=1e-6, init_std=0.5)
-        assert single.carry_dim == 0 and single(x, return_carried=True)[1] is None and router.carry_dim == 6
+        single = CausalRouter(embed_dim=8, hidden_dim=hidden_dim, use_previous_token=False, norm_eps=1e-6, init_std=0.5)
+        single.norm.scale.uniform_(0.5, 1.5)
+        assert single.carry_dim == 0 and single(x, return_carried=True)[1] is None and router.carry_dim == hidden_dim
+        single_reference = single.out(torch.nn.functional.silu(single.hidden(single.norm(x)))).squeeze(-1)
+        torch.testing.assert_close(single(x), single_reference, rtol=1e-5, atol=1e-6)  # 12 tokens
+        torch.testing.assert_close(single(x[:1, :1]), single_reference[:1, :1], rtol=1e-5, atol=1e-6)  # one token
 
 
 def test_meta_build_of_0_5b_has_the_qwen_parameter_count():

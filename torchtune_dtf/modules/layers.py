@@ -315,28 +315,10 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             return self.causal_router(x.detach(), starts)
         # A router without the previous token reads no carried term and hands none on (``router_carry`` is [b, 0]).
         logits, carry = self.causal_router(
-            x.detach(), starts, cache.router_carry, folded=self._router_weights(cache), return_carried=True
+            x.detach(), starts, cache.router_carry, return_carried=True
         )
         cache.carry_router_term(carry)  # read by this chunk only above: the next chunk's first token's term
         return logits
-
-    def _router_weights(self, cache: SelectiveKVCache):
-        """The causal router's folded weights for this generation, kept in ``cache`` (computed on its first
-        forward, forgotten when the cache is reset), or None to compute them in the call.
-
-        A cache is only valid for the weights that wrote its K/V, so what is derived from the weights alone
-        lives as long. Not kept when compiled (the graph computes them, reading nothing the guards would
-        have to follow) or when autograd would need them (a gradient through the router)."""
-        router = self.causal_router
-        if torch.compiler.is_compiling() or (
-            torch.is_grad_enabled() and any(p.requires_grad for p in router.parameters())
-        ):
-            return None
-        if cache.derived_weights is None:
-            # Normal tensors even inside inference_mode: the cache may serve a later forward outside it.
-            with torch.inference_mode(False), torch.no_grad():
-                cache.derived_weights = router.folded_weights()
-        return cache.derived_weights
 
     def topk_by_sequence(
         self,

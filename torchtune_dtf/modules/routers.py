@@ -111,16 +111,32 @@ class CausalRouter(RoutingModule):
             nn.init.normal_(layer.weight, mean=0.0, std=self.init_std)
             nn.init.zeros_(layer.bias)
 
-    def _normed_projection(self, x: torch.Tensor, folded_weight: torch.Tensor) -> torch.Tensor:
-        """(RMSNorm(x)·weightᵀ) ``[..., h]`` for ``x [..., d]``, given ``folded_weight [h, d]`` = weight ⊙ scale
-        (:meth:`folded_weights`).
+    def _normed_projection(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(x)·Wᵀ ``[..., rows]`` for ``x [..., d]``, where W ``[rows, d]`` is :meth:`_stacked_weight`.
 
-        RMSNorm(x) = (x / rms(x)) ⊙ scale, so the product equals (x·(weight ⊙ scale)ᵀ) / rms(x): the
-        per-feature scale is folded into the (small) weight and the per-token 1/rms is applied to the
-        h-wide result, instead of writing two normalised ``[..., d]`` copies of the input.
+        RMSNorm(x) = (x / rms(x)) ⊙ scale, so the product equals (x·(W ⊙ scale)ᵀ) / rms(x) = ((x ⊙ scale)·Wᵀ) /
+        rms(x): the per-token 1/rms is applied to the narrow result, never to a normalised ``[..., d]`` copy, and
+        the per-feature scale goes to whichever operand is smaller. A prefill folds it into the weight; a decode
+        step (a token or a few) scales its input instead, so it writes d values, not a ``[rows, d]`` weight per
+        routed layer and step (compiled, where nothing derived can be kept across calls, the folded weight
+        was most of the router's time at batch 1).
         """
+        weight = self._stacked_weight()
+        scale = self.norm.scale.to(weight.dtype)
         inv_rms = torch.rsqrt(_as_dtype(x, torch.float32).pow(2).mean(-1, keepdim=True) + self.norm.eps)
-        return F.linear(x, folded_weight) * _as_dtype(inv_rms, x.dtype)
+        if x.numel() // x.shape[-1] <= weight.shape[0]:
+            projected = F.linear(x * scale.to(x.dtype), weight)
+        else:
+            projected = F.linear(x, weight * scale)
+        return projected * _as_dtype(inv_rms, x.dtype)
+
+    def _stacked_weight(self) -> torch.Tensor:
+        """The hidden layer's weight as ``[rows, d]``: ``W [h, d]`` for one input; with the previous token the
+        ``[h, 2d]`` = ``[W_c | W_p]`` weight viewed (no copy) as ``[2h, d]`` with rows interleaved, W_c's j-th
+        row at 2j and W_p's at 2j + 1, so every token goes through both halves in one product: its own term
+        (even columns of the result) and the term it hands the token after it (odd columns)."""
+        weight = self.hidden.weight
+        return weight.view(-1, weight.shape[1] // 2) if self.use_previous_token else weight
 
     @property
     def carry_dim(self) -> int:
@@ -128,29 +144,11 @@ class CausalRouter(RoutingModule):
         hidden width when the router reads the previous token, 0 when it does not."""
         return self.hidden.out_features if self.use_previous_token else 0
 
-    def folded_weights(self) -> torch.Tensor:
-        """The hidden layer's weights with the norm's scale folded in, as :meth:`forward` projects through them:
-        ``W ⊙ scale [h, d]`` for one input; with the previous token ``[W_c; W_p] ⊙ scale [2h, d]`` (every token
-        through both halves: its own term and the term it hands to the token after it).
-
-        They depend on the parameters only. A decode step with a KV cache takes them from the cache
-        (:attr:`SelectiveKVCache.derived_weights`), computed once per generation: at batch 1 writing them (a
-        ``[2h, d]`` copy and a product of fresh memory, per routed layer and step) was a large part of the
-        router's time.
-        """
-        weight = self.hidden.weight
-        scale = self.norm.scale.to(weight.dtype)
-        if not self.use_previous_token:
-            return weight * scale
-        embed_dim = weight.shape[1] // 2  # [h, 2d] = [W_c | W_p]
-        return torch.cat([weight[:, :embed_dim], weight[:, embed_dim:]], dim=0) * scale
-
     def forward(
         self,
         x: torch.Tensor,
         starts: Optional[torch.Tensor] = None,
         carried: Optional[torch.Tensor] = None,
-        folded: Optional[torch.Tensor] = None,
         *,
         return_carried: bool = False,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
@@ -163,7 +161,6 @@ class CausalRouter(RoutingModule):
                 this chunk, as the call on the previous chunk returned it (decoding with a cache); None at the
                 start of a sequence. Carrying the term instead of the input spares each decode step a second
                 normed projection.
-            folded: :meth:`folded_weights` computed earlier from the same parameters (None: computed here).
             return_carried (bool): also return the term this chunk's last token hands the next chunk.
 
         Returns:
@@ -171,18 +168,16 @@ class CausalRouter(RoutingModule):
             ``return_carried`` the pair (logits, ``[b, h]`` term of the last token, or None without the previous
             token's input).
         """
-        weight = self.folded_weights() if folded is None else folded
         if not self.use_previous_token:
-            logits = self._logit(self._normed_projection(x, weight) + self.hidden.bias)
+            logits = self._logit(self._normed_projection(x) + self.hidden.bias)
             return (logits, None) if return_carried else logits
         if starts is None:
             raise ValueError("CausalRouter(use_previous_token=True) needs to know where each sequence starts")
         # hidden([n_t ‖ n_{t−1}]) = W_c·n_t + b + W_p·n_{t−1}. RMSNorm is per token, so every token is
         # projected once through [W_c; W_p] and its W_p part is shifted one token later, instead of
         # normalising and concatenating a shifted [b, s, 2d] copy of the input.
-        both = self._normed_projection(x, weight)
-        hidden_dim = both.shape[-1] // 2
-        current, to_next = both[..., :hidden_dim], both[..., hidden_dim:]  # to_next: token t's term for token t+1
+        both = self._normed_projection(x)
+        current, to_next = both[..., 0::2], both[..., 1::2]  # to_next: token t's term for token t+1
         first = torch.zeros_like(to_next[:, :1]) if carried is None else carried[:, None].to(x.dtype)
         if carried is not None and torch.compiler.is_compiling():
             first = carried_copy(first)  # an inductor bug, see carried_copy

@@ -15,10 +15,6 @@ layer hands over what to carry with :meth:`~SelectiveKVCache.carry_router_term`,
 :meth:`~SelectiveKVCache.carry_scores`, :meth:`~SelectiveKVCache.carry_output` and, at the end of each chunk,
 :meth:`~SelectiveKVCache.advance`.
 
-The cache also keeps what a layer derives from its weights alone and would otherwise recompute at every decode step
-(the causal router's weights with its norm folded in, :attr:`SelectiveKVCache.derived_weights`): valid exactly as
-long as the stored K/V, which those same weights wrote; :meth:`~SelectiveKVCache.reset` forgets it.
-
 Two ways to hold the entries:
 
 * growing (the default): memory follows what runs. The buffers start at ``initial_entries`` per row (the
@@ -108,9 +104,6 @@ class SelectiveKVCache(nn.Module):
         self.register_buffer(
             "recent_scores_valid", torch.zeros(batch_size, score_history, dtype=torch.bool), persistent=False
         )
-        #: Tensors the layer derived from its weights for this cache's generation (eager only; see the module
-        #: docstring). A plain attribute, not a buffer: it is no state of the sequence and never in a state dict.
-        self.derived_weights: Optional[Tuple[torch.Tensor, ...]] = None
 
     def reset(self) -> None:
         """Empty the cache without reallocating it."""
@@ -125,12 +118,6 @@ class SelectiveKVCache(nn.Module):
         self.recent_scores_valid.zero_()
         self._fill_bound = 0
         self._announced = 0
-        self.derived_weights = None  # the next generation may follow a change of the weights
-
-    def _apply(self, fn, recurse: bool = True):
-        # Moving or converting the cache (``model.to(...)``) converts the weights too: derive them again.
-        self.derived_weights = None
-        return super()._apply(fn, recurse)
 
     def sync_fill_bound(self) -> None:
         """Re-read the host-side bound on the rows' fill after the buffers were written from outside the cache
