@@ -1,5 +1,5 @@
 """Wall time of each decoder layer's call in batch-1 decode steps, by kind: plain layer, routed layer that runs its
-token, routed layer that skips it (issue 47: what a routed decode step pays beyond its work).
+token, routed layer that skips it, dropped layer (issue 47: what a routed decode step pays beyond its work).
 
     python -m benchmarks.decode_layer_calls --shape 0_5b --model mod_papers_50             # compiled per layer
     python -m benchmarks.decode_layer_calls --shape 0_5b --model mod_papers_50 --eager
@@ -24,6 +24,7 @@ import torch
 from benchmarks.common import calibrate_student_threshold, median, set_threads, subnormals_flushed
 from benchmarks.compiled import Decoder, build_models, plan_models
 from torchtune_dtf.modules import RoutedSelfAttentionLayer
+from torchtune_dtf.modules.layers import DroppedLayer
 from torchtune_dtf.training.compile import compile_layers
 
 
@@ -48,6 +49,8 @@ class ClockedLayer(torch.nn.Module):
         elapsed = (time.perf_counter() - start) * 1e6
         if routed:
             kind = "routed, ran its token" if int(self.layer.routing_counts()[0]) > before else "routed, skipped it"
+        elif isinstance(self.layer, DroppedLayer):
+            kind = "dropped layer"
         else:
             kind = "plain layer"
         self.times.setdefault(kind, []).append(elapsed)

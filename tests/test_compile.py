@@ -15,7 +15,7 @@ from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.common_utils import delete_kv_caches
 
 from tests.conftest import ROUTED_VARIANTS, VOCAB, build_tiny
-from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
+from torchtune_dtf.modules import DroppedLayer, RoutedSelfAttentionLayer, RoutingContext
 from torchtune_dtf.training.compile import compile_layers, routes_with_static_shapes
 
 BATCH, PROMPT, NEW, MAX_LEN = 4, 16, 6, 32
@@ -132,6 +132,9 @@ def test_topk_routed_layers_compile_whole_and_match_eager(variant, shape, fresh_
     # prefill, decode, training with grad (two β) and, per kind, no more.
     kinds = {type(m) for m in compiled.modules() if isinstance(m, TransformerSelfAttentionLayer)}
     assert counters["stats"]["unique_graphs"] <= 4 * len(kinds), dict(counters["stats"])
+    # Every layer is compiled but a dropped one, which runs one add at most (compiled, its call costs more).
+    for layer in compiled.layers:
+        assert (layer._compiled_call_impl is None) == isinstance(layer, DroppedLayer), type(layer).__name__
 
 
 @pytest.mark.parametrize("student", [dict(student_threshold=0.5),

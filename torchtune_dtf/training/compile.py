@@ -31,6 +31,7 @@ from torchtune import generation
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from torchtune_dtf.modules.decoder import RoutedTransformerDecoder
+from torchtune_dtf.modules.layers import DroppedLayer
 
 
 #: Graphs dynamo may keep per code object. Every routed layer class shares ``RoutedSelfAttentionLayer.forward``
@@ -55,7 +56,8 @@ def routes_with_static_shapes(model: torch.nn.Module) -> bool:
 def compile_layers(
     model: torch.nn.Module, *, backend: Optional[str] = None, fullgraph: Optional[bool] = None, mode: Optional[str] = None
 ) -> torch.nn.Module:
-    """Compile every decoder layer in place (torchtune's per-layer compile) and return the model.
+    """Compile every decoder layer in place (torchtune's per-layer compile) and return the model. Dropped layers
+    stay eager: they run one add or nothing.
 
     Args:
         model: a ``TransformerDecoder`` (dense or routed).
@@ -72,7 +74,9 @@ def compile_layers(
         for layer in model.routed_layers():
             layer.routing_counts()  # create the counters now: their creation in a forward would be one more graph
     for module in model.modules():
-        if isinstance(module, TransformerSelfAttentionLayer):
+        # A dropped layer runs one add at most: compiled, its call would cost a graph's entry (dynamo's guards,
+        # ≈ 20 µs on a CPU) for an operator that eager code runs in a few (benchmarks/decode_layer_calls.py).
+        if isinstance(module, TransformerSelfAttentionLayer) and not isinstance(module, DroppedLayer):
             # Threshold graphs specialise on each selected count (``dynamic=False``): few per batch size, and
             # inductor (torch 2.13, CPU) generated code with an unbound size symbol for the count-dependent
             # pieces when it was left to mark them dynamic.
