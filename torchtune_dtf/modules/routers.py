@@ -116,15 +116,18 @@ class CausalRouter(RoutingModule):
 
         RMSNorm(x) = (x / rms(x)) ⊙ scale, so the product equals (x·(W ⊙ scale)ᵀ) / rms(x) = ((x ⊙ scale)·Wᵀ) /
         rms(x): the per-token 1/rms is applied to the narrow result, never to a normalised ``[..., d]`` copy, and
-        the per-feature scale goes to whichever operand is smaller. A prefill folds it into the weight; a decode
-        step (a token or a few) scales its input instead, so it writes d values, not a ``[rows, d]`` weight per
-        routed layer and step (compiled, where nothing derived can be kept across calls, the folded weight
-        was most of the router's time at batch 1).
+        the per-feature scale goes to whichever operand is smaller. A prefill (and any forward that trains the
+        router) folds it into the weight; a decode step (a token or a few) scales its input instead, so it
+        writes d values, not a ``[rows, d]`` weight per routed layer and step (compiled, where nothing derived
+        can be kept across calls, the folded weight was most of the router's time at batch 1).
         """
         weight = self._stacked_weight()
         scale = self.norm.scale.to(weight.dtype)
         inv_rms = torch.rsqrt(_as_dtype(x, torch.float32).pow(2).mean(-1, keepdim=True) + self.norm.eps)
-        if x.numel() // x.shape[-1] <= weight.shape[0]:
+        # With the router training, the folded weight is also the cheaper backward: the scale's gradient then
+        # comes from the weight's, where a scaled input would need one more product (the gradient of x ⊙ scale).
+        training = torch.is_grad_enabled() and self.norm.scale.requires_grad
+        if x.numel() // x.shape[-1] <= weight.shape[0] and not training:
             projected = F.linear(x * scale.to(x.dtype), weight)
         else:
             projected = F.linear(x, weight * scale)
