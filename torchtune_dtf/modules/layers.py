@@ -20,7 +20,7 @@ from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
 
 from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias
 from torchtune_dtf.modules.routed_block import routed_block_forward
-from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, previous_token_states
+from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, carried_copy, previous_token_states
 from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
 from torchtune_dtf.modules.selection import (
     Selection,
@@ -288,8 +288,10 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         """Add one student-mode forward to the counters. ``selected``: ``[b, s]`` bool, tokens that ran."""
         if self.routed_tokens_seen is None:
             self._create_routing_counters(selected.device)
-        self.routed_tokens_seen += selected.numel()  # a Python int: no device round trip
-        self.routed_tokens_executed += selected.sum()  # stays on device: no host sync per forward
+        # In place, not ``+=``: that re-assigns the buffer, a ``Module.__setattr__`` per forward, which a compiled
+        # layer traces (through ``inspect.signature``: dozens of guards) and replays after its graph.
+        self.routed_tokens_seen.add_(selected.numel())  # a Python int: no device round trip
+        self.routed_tokens_executed.add_(selected.sum())  # stays on device: no host sync per forward
 
     def token_layout(
         self, mask: Optional[torch.Tensor], input_pos: Optional[torch.Tensor], batch: int, seq_len: int,
@@ -310,15 +312,30 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
     def student_logits(
         self, x: torch.Tensor, starts: torch.Tensor, cache: Optional[SelectiveKVCache]
     ) -> torch.Tensor:
-        """Causal router logits ``[b, s]`` (fp32) from detached inputs (the student never trains the backbone)."""
-        if cache is None:
-            return self.causal_router(x.detach(), starts)
-        # A router without the previous token reads no carried term and hands none on (``router_carry`` is [b, 0]).
-        logits, carry = self.causal_router(
-            x.detach(), starts, cache.router_carry, return_carried=True
-        )
-        cache.carry_router_term(carry)  # read by this chunk only above: the next chunk's first token's term
+        """Causal router logits ``[b, s]`` (fp32) from detached inputs (the student never trains the backbone).
+        With a cache, the term this chunk's last token hands the next chunk's router is stored in it."""
+        logits, carry = self.student_logits_and_carry(x, starts, cache, copy_carried=torch.compiler.is_compiling())
+        if carry is not None:
+            cache.carry_router_term(carry)  # read by this chunk only above: the next chunk's first token's term
         return logits
+
+    def student_logits_and_carry(
+        self, x: torch.Tensor, starts: torch.Tensor, cache: Optional[SelectiveKVCache], *, copy_carried: bool
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """:meth:`student_logits` without storing: (logits ``[b, s]``, the term ``[b, h]`` for the cache to carry, or
+        None without a cache or without the previous token's input), for a caller that stores it later.
+
+        ``copy_carried``: read the cache's carried term through :func:`~torchtune_dtf.modules.routers.carried_copy`,
+        which compiled code needs when the term is overwritten in the same graph that reads it (an inductor bug,
+        see there). A compiled threshold or window top-k layer stores it after its host read, in the next graph,
+        and so spares the copy (a Python operator call, 10–30 µs per routed layer and decode step on a CPU)."""
+        if cache is None:
+            return self.causal_router(x.detach(), starts), None
+        carried = cache.router_carry
+        if copy_carried and self.causal_router.carry_dim:
+            carried = carried_copy(carried)
+        # A router without the previous token reads no carried term and hands none on (``router_carry`` is [b, 0]).
+        return self.causal_router(x.detach(), starts, carried, return_carried=True)
 
     def topk_by_sequence(
         self,
@@ -458,7 +475,13 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             positions, starts = routing.token_layout
         else:
             positions, starts = self.token_layout(mask, input_pos, batch, seq_len, x.device)
-        logits = self.student_logits(x, starts, cache)
+        # A threshold or window top-k student with a cache reads the device once below, which splits a compiled layer
+        # there: its router's carried term is stored after the read, in the graph after it.
+        store_carry_after_read = cache is not None and routing.mode != "teacher" and self.student_routing_mode in _COUNTED_MODES
+        if store_carry_after_read:
+            logits, carry = self.student_logits_and_carry(x, starts, cache, copy_carried=False)
+        else:
+            logits = self.student_logits(x, starts, cache)
         record = LayerRouting(student_logits=logits)
 
         if routing.mode == "teacher":
@@ -495,6 +518,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                     selection = mask_selection(selected, row_count_extremes(selected).tolist())
             else:
                 selection = self.student_selection(logits, starts, cache, single_sequence=single_sequence)
+            if store_carry_after_read and carry is not None:
+                cache.carry_router_term(carry)
             # A decode step in which no row runs the block applies no update, so it needs no gate (MoD's would
             # be a router product and a sigmoid per skipped token).
             every_row_skipped = _every_row_skipped(selection, batch)
@@ -588,10 +613,10 @@ class RandomRoutedLayer(RoutedSelfAttentionLayer):
             **kwargs,
         )
 
-    def student_logits(self, x, starts, cache):
-        # logit(u) for u ~ U(0, 1): σ(logit) > 1 − γ ⟺ u > 1 − γ, and top-k of it is a random top-k.
+    def student_logits_and_carry(self, x, starts, cache, *, copy_carried):
+        # logit(u) for u ~ U(0, 1): σ(logit) > 1 − γ ⟺ u > 1 − γ, and top-k of it is a random top-k. Nothing to carry.
         u = torch.rand(x.shape[:2], device=x.device, dtype=torch.float32).clamp(min=1e-12, max=1 - 1e-7)
-        return torch.log(u) - torch.log1p(-u)
+        return torch.log(u) - torch.log1p(-u), None
 
     def teacher_route(self, x, *, mask, input_pos, positions, starts, single_sequence, routing, record):
         capacity = routing.capacity(self.capacity)

@@ -25,7 +25,9 @@ def carried_copy(carried: torch.Tensor) -> torch.Tensor:
     graph. On the CPU, inductor (torch 2.13, still on 2.14) fuses the reader and the write into one outer loop
     with the RMSNorm's reduction and then looks up the write's ordering-only dependency as a read, failing with
     ``KeyError: 'bufN'`` (pytorch/pytorch#188228): the papers' STT compiled at decode batch 8 hit it. Reading the
-    term through this opaque copy keeps the write out of that fused loop; eager code does not call it.
+    term through this opaque copy keeps the write out of that fused loop. Routed layers read through it only where one
+    compiled graph reads and overwrites the term (:meth:`RoutedSelfAttentionLayer.student_logits_and_carry`); eager
+    code does not call it.
     """
     return carried.clone()
 
@@ -182,8 +184,6 @@ class CausalRouter(RoutingModule):
         both = self._normed_projection(x)
         current, to_next = both[..., 0::2], both[..., 1::2]  # to_next: token t's term for token t+1
         first = torch.zeros_like(to_next[:, :1]) if carried is None else carried[:, None].to(x.dtype)
-        if carried is not None and torch.compiler.is_compiling():
-            first = carried_copy(first)  # an inductor bug, see carried_copy
         # One token (a decode step): its predecessor's term is the carried one; no copy through an empty shift.
         from_previous = first if x.shape[1] == 1 else torch.cat([first, to_next[:, :-1]], dim=1)
         # RMSNorm(0) = 0, so a token that starts a sequence (document, or after left padding) gets nothing.

@@ -224,7 +224,7 @@ class SelectiveKVCache(nn.Module):
             self.v_cache.permute(0, 2, 1, 3)[row_index, write_at] = v.permute(0, 2, 1, 3).to(self.v_cache.dtype)
             self.entry_slots[row_index, write_at] = slots
         if rows is None:
-            self.fill += counts
+            self.fill.add_(counts)  # in place: ``+=`` would re-assign the buffer (a Module.__setattr__ per call)
         else:
             self.fill[rows] += counts
         return write_at
