@@ -475,13 +475,13 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             positions, starts = routing.token_layout
         else:
             positions, starts = self.token_layout(mask, input_pos, batch, seq_len, x.device)
-        # A threshold or window top-k student with a cache reads the device once below, which splits a compiled layer
-        # there: its router's carried term is stored after the read, in the graph after it.
-        store_carry_after_read = cache is not None and routing.mode != "teacher" and self.student_routing_mode in _COUNTED_MODES
-        if store_carry_after_read:
-            logits, carry = self.student_logits_and_carry(x, starts, cache, copy_carried=False)
-        else:
-            logits = self.student_logits(x, starts, cache)
+        # The router's carried term is stored once the selection is made (below). A threshold or window top-k student
+        # reads the device before that, which splits a compiled layer: the term is then read and overwritten in two
+        # graphs and needs no copy; a top-k student's one graph reads it through one.
+        reads_host = self.student_routing_mode in _COUNTED_MODES
+        logits, carry = self.student_logits_and_carry(
+            x, starts, cache, copy_carried=torch.compiler.is_compiling() and not reads_host
+        )
         record = LayerRouting(student_logits=logits)
 
         if routing.mode == "teacher":
@@ -518,7 +518,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                     selection = mask_selection(selected, row_count_extremes(selected).tolist())
             else:
                 selection = self.student_selection(logits, starts, cache, single_sequence=single_sequence)
-            if store_carry_after_read and carry is not None:
+            if carry is not None:
                 cache.carry_router_term(carry)
             # A decode step in which no row runs the block applies no update, so it needs no gate (MoD's would
             # be a router product and a sigmoid per skipped token).
