@@ -219,12 +219,13 @@ def test_threshold_students_read_the_device_once_per_routed_layer_and_not_in_tra
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["recommended", "papers"])
-def test_inductor_compiled_stt_matches_eager(shape, fresh_dynamo):
-    # The real compiler (C++ codegen on the CPU), top-k student. The papers' shape's decode step reads and
-    # rewrites the causal router's carried term in one graph, which inductor's CPU outer-loop fusion failed on
-    # (KeyError 'bufN', pytorch/pytorch#188228) until the read went through ``routers.carried_copy``.
-    overrides = dict(student_routing_mode="topk", student_threshold=None)
+@pytest.mark.parametrize("shape,student", [("recommended", "topk"), ("papers", "topk"), ("papers", "threshold")])
+def test_inductor_compiled_stt_matches_eager(shape, student, fresh_dynamo):
+    # The real compiler (C++ codegen on the CPU). A top-k student's decode step reads and rewrites the causal
+    # router's carried term in one graph, which inductor's CPU outer-loop fusion failed on (KeyError 'bufN',
+    # pytorch/pytorch#188228) until the read went through ``routers.carried_copy``; a threshold student reads the
+    # device in between, so it stores the term in the graph after the read and reads it without the copy.
+    overrides = dict(student_routing_mode="topk", student_threshold=None) if student == "topk" else {}
     eager = build("stt", shape, **overrides)
     compiled = compile_layers(build("stt", shape, **overrides), backend="inductor")
     tokens = torch.randint(0, VOCAB, (BATCH, 24), generator=torch.Generator().manual_seed(3))
