@@ -16,6 +16,7 @@ from torchtune.modules.common_utils import delete_kv_caches
 
 from tests.conftest import ROUTED_VARIANTS, VOCAB, build_tiny
 from torchtune_dtf.modules import DroppedLayer, RoutedSelfAttentionLayer, RoutingContext
+from torchtune_dtf.training.calibration import calibratable_layers, calibrate_student_routers
 from torchtune_dtf.training.compile import compile_layers, routes_with_static_shapes
 
 BATCH, PROMPT, NEW, MAX_LEN = 4, 16, 6, 32
@@ -216,6 +217,91 @@ def test_threshold_students_read_the_device_once_per_routed_layer_and_not_in_tra
     token_ids = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=torch.Generator().manual_seed(6))
     loss, grads, _ = train_step_grads(model, token_ids, 100.0)
     assert torch.isfinite(loss) and grads
+
+
+COUNTED_STUDENTS = {
+    "threshold": dict(student_threshold=0.5),
+    "window_topk": dict(student_routing_mode="window_topk", student_threshold=None, student_window=8),
+}
+
+
+BATCH1_CASES = [
+    (variant, shape, student, "aot_eager")
+    for variant in ROUTED_VARIANTS for shape in ("papers", "recommended") for student in sorted(COUNTED_STUDENTS)
+] + [
+    # Inductor itself: the branching step reads and overwrites the router's carried term in one graph, the
+    # pattern its CPU fusion failed on (pytorch/pytorch#188228) unless the read goes through ``carried_copy``.
+    pytest.param("stt", "papers", "threshold", "inductor", marks=pytest.mark.slow),
+    pytest.param("stt", "recommended", "window_topk", "inductor", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("variant,shape,student,backend", BATCH1_CASES)
+def test_batch1_counted_decode_step_compiles_whole_and_matches_eager(variant, shape, student, backend, fresh_dynamo):
+    # At batch 1 a threshold or window top-k decode step runs the block or skips it. Compiled, that choice is a
+    # branch on the device (torch.cond), not a host read: the step is one graph per layer (no break), and 40 decode
+    # steps give what eager gives, token by token: logits, which steps ran the block
+    # (each layer both ran and skipped, or the comparison proves little), the cache fill and its stored K/V.
+    # One graph per layer, and so one graph for a whole decode step compiled at once (compiled_decode_step: a
+    # CUDA graph on a GPU), which a host read would split at every routed layer.
+    overrides = COUNTED_STUDENTS[student]
+    eager, compiled = build(variant, shape, **overrides), build(variant, shape, **overrides)
+    max_len, prompt_len, steps = 64, 16, 40
+    masks = torch.tril(torch.ones(max_len, max_len, dtype=torch.bool))[None]
+    prompt = torch.randint(0, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(5))
+    # Decode steps read a fixed random stream: a random model's own greedy tokens repeat, and so would its choices.
+    stream = torch.randint(0, VOCAB, (1, steps), generator=torch.Generator().manual_seed(6))
+    if student == "threshold":  # an untrained router's logits sit on one side of τ: hold it to half the tokens
+        calibration = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(7))
+        targets = {layer.layer_idx: 0.5 for layer in calibratable_layers(eager)}
+        calibrate_student_routers(eager, [{"tokens": calibration}], targets, rounds=2)
+        compiled.load_state_dict(eager.state_dict())
+    compile_layers(compiled, backend=backend, fullgraph=False)  # the prefill still reads its row counts
+    runs = []
+    for model in (eager, compiled):
+        model.use_static_kv_caches()
+        model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=max_len)
+        ran = {}
+        with torch.no_grad():
+            logits = [model(prompt, mask=masks[:, :prompt_len], input_pos=torch.arange(prompt_len))]
+            for t in range(prompt_len, prompt_len + steps):
+                ctx = RoutingContext(mode="student")
+                token = stream[:, t - prompt_len, None]
+                logits.append(model(token, mask=masks[:, t : t + 1], input_pos=torch.full((1,), t), routing=ctx))
+                for idx, record in ctx.layers.items():
+                    ran.setdefault(idx, []).append(record.selected_mask)
+        caches = {layer.layer_idx: {name: buf.clone() for name, buf in layer.attn.kv_cache.named_buffers()}
+                  for layer in model.routed_layers()}
+        runs.append((torch.cat(logits, dim=1), {i: torch.cat(m, dim=1) for i, m in ran.items()}, caches))
+    (eager_logits, eager_ran, eager_caches), (compiled_logits, compiled_ran, compiled_caches) = runs
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert eager_ran.keys() == compiled_ran.keys() and eager_ran
+    for idx, ran in eager_ran.items():
+        assert 0 < ran.sum() < ran.numel(), f"routed layer {idx} ran {ran.float().mean():.2f} of the steps: proves little"
+        assert torch.equal(compiled_ran[idx], ran), f"layer {idx} ran other steps when compiled"
+        assert torch.equal(compiled_caches[idx]["fill"], eager_caches[idx]["fill"])
+        filled = int(eager_caches[idx]["fill"].max())
+        for name in ("k_cache", "v_cache"):
+            torch.testing.assert_close(compiled_caches[idx][name][:, :, :filled], eager_caches[idx][name][:, :, :filled],
+                                       rtol=1e-5, atol=1e-5)
+        assert torch.equal(compiled_caches[idx]["entry_slots"][:, :filled], eager_caches[idx]["entry_slots"][:, :filled])
+    # One more decode step of each routed layer (the eager model's, its cache set up), traced as compile_layers
+    # compiles it: no break at all.
+    for layer in eager.routed_layers():
+        x = torch.randn(1, 1, layer.attn.embed_dim, generator=torch.Generator().manual_seed(layer.layer_idx))
+        with torch.no_grad():
+            explained = torch._dynamo.explain(layer)(
+                x, mask=masks[:, max_len - 1 : max_len], input_pos=torch.full((1,), max_len - 1),
+                routing=RoutingContext(mode="student").for_layer(layer.layer_idx),
+            )
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, [r.reason[:120] for r in explained.break_reasons]
+    # And the whole model's decode step, as compiled_decode_step compiles it: one graph for every layer.
+    token = torch.randint(0, VOCAB, (1, 1), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        explained = torch._dynamo.explain(eager)(token, mask=masks[:, max_len - 1 : max_len],
+                                                 input_pos=torch.full((1,), max_len - 1))
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, [r.reason[:120] for r in explained.break_reasons]
+    delete_kv_caches(compiled)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
 
 from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias
-from torchtune_dtf.modules.routed_block import routed_block_forward
+from torchtune_dtf.modules.routed_block import branching_decode_step, routed_block_forward
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, carried_copy, previous_token_states
 from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
 from torchtune_dtf.modules.selection import (
@@ -475,10 +475,17 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             positions, starts = routing.token_layout
         else:
             positions, starts = self.token_layout(mask, input_pos, batch, seq_len, x.device)
+        # A compiled decode step of one row by a counted student (threshold, window top-k): run-or-skip is a
+        # branch inside the graph (:func:`branching_decode_step`) instead of the host read of how many rows run.
+        branching = (
+            routing.mode == "student" and cache is not None and batch == 1 and seq_len == 1
+            and self.student_routing_mode in _COUNTED_MODES and torch.compiler.is_compiling()
+        )
         # The router's carried term is stored once the selection is made (below). A threshold or window top-k student
         # reads the device before that, which splits a compiled layer: the term is then read and overwritten in two
-        # graphs and needs no copy; a top-k student's one graph reads it through one.
-        reads_host = self.student_routing_mode in _COUNTED_MODES
+        # graphs and needs no copy; a graph that does both (a top-k student's, a branching decode step's) reads it
+        # through one.
+        reads_host = self.student_routing_mode in _COUNTED_MODES and not branching
         logits, carry = self.student_logits_and_carry(
             x, starts, cache, copy_carried=torch.compiler.is_compiling() and not reads_host
         )
@@ -512,7 +519,10 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 # once, into the graph before the read and one graph per count after it. Read in
                 # student_selection, every frame down to the read split too (five graphs per decode step).
                 # ``tolist``: dynamo answers ``int()`` of a tensor with a warning that advises capturing scalars.
-                if cache is not None and seq_len == 1:
+                if branching:
+                    # Compiled, one row: the block runs or not by a branch on the device (no read, one graph).
+                    selection = Selection(positions=positions.new_zeros(1, 1), valid=None, mask=selected)
+                elif cache is not None and seq_len == 1:
                     selection = row_selection(selected, selected.sum().tolist())
                 else:
                     selection = mask_selection(selected, row_count_extremes(selected).tolist())
@@ -525,10 +535,14 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             every_row_skipped = _every_row_skipped(selection, batch)
             gate = None if every_row_skipped else self.student_gate(x)
 
-        out = routed_block_forward(
+        # Filed before the block runs: dynamo (torch 2.13) drops attribute writes made after a torch.cond to an
+        # object created in the same graph, so after ``branching_decode_step`` this record would keep None.
+        record.selected_mask = selection.mask
+        block_forward = branching_decode_step if branching else routed_block_forward
+        out = block_forward(
             self,
             x,
-            selection,
+            selection.mask if branching else selection,
             gate if routing.apply_gate else None,
             positions=positions,
             mask=mask,
@@ -556,7 +570,6 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             cache.advance(x)
         if routing.mode == "student":  # the deployed router only (see routing_counts)
             self._count_student(selection.mask)
-        record.selected_mask = selection.mask
         routing.file_record(self, record)
         return out
 

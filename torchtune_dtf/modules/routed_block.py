@@ -221,6 +221,66 @@ def routed_block_forward(
     return x.index_copy(0, rows, out_rows)
 
 
+def branching_decode_step(
+    layer: TransformerSelfAttentionLayer,
+    x: torch.Tensor,
+    runs: torch.Tensor,
+    gate: Optional[torch.Tensor],
+    *,
+    positions: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    cache: SelectiveKVCache,
+    skipped_tokens_write_kv: bool,
+) -> torch.Tensor:
+    """A batch-1 decode step whose token runs the block or skips it as the device decides, without a host read.
+
+    A threshold or window top-k student decides per token, so at batch 1 a decode step either runs the whole
+    block or none of it. :func:`routed_block_forward` learns which from the host (the running rows' count), which
+    splits a compiled layer into a graph before the read and one per answer after it. Here the choice is a
+    ``torch.cond`` inside one graph (compiled code only; eager code keeps the read, which costs nothing on the
+    CPU): its running branch projects the query and runs attention and the MLP, so a skipped token still reads
+    none of those weights. Branches may not write to the cache, so the token's K/V are computed before the
+    branch and stored by the device's choice (``runs`` as the write's validity: a skipped token's write goes
+    to the scratch entry and leaves the fill as it was), unless skipped tokens keep their K/V anyway. That costs a
+    skipped token the k/v projections (2·d·n_kv·h_d weights, ≈ 1.5 % of a Qwen2.5-0.5B block) that
+    :func:`routed_block_forward` would not compute.
+
+    Args:
+        layer (TransformerSelfAttentionLayer): supplies attn, mlp, norms and scales.
+        x (torch.Tensor): ``[1, 1, d]`` the step's token.
+        runs (torch.Tensor): ``[1, 1]`` bool, True when the token runs the block.
+        gate (Optional[torch.Tensor]): ``[1, 1]`` gate of the update, or None for 1.
+        positions (torch.Tensor): ``[1, 1]`` the token's position id.
+        mask (Optional[torch.Tensor]): ``[1, 1, max_cache_len]`` boolean mask over layout slots, or None (causal).
+        cache (SelectiveKVCache): the layer's cache.
+        skipped_tokens_write_kv (bool): every token stores its K/V (context-preserving attention).
+
+    Returns:
+        torch.Tensor: ``[1, 1, d]``.
+    """
+    if x.shape[:2] != (1, 1) or runs.shape != (1, 1):
+        raise ValueError(f"branching_decode_step takes one token of one row, got x {list(x.shape)}, runs {list(runs.shape)}")
+    h = layer.sa_norm(x)
+    key, value = _project_keys_values(layer, h, positions)
+    query_index = torch.zeros_like(positions)
+    query_slots = cache.layout_slots(query_index)
+    cache.append(None, key, value, query_slots, None if skipped_tokens_write_kv else runs)
+    keys, values, key_slots, key_valid = cache.entries(None)
+    one_token = Selection(positions=query_index, valid=None, mask=runs)
+
+    def run_block(x, h, positions, keys, values, key_slots, key_valid):
+        q = _project_queries(layer, h, positions)
+        attn_mask = _attention_mask(mask, query_index, query_slots, key_slots, key_valid)
+        return _attend_and_update(
+            layer, x, x, q, keys, values, one_token, gate, attn_mask, False, [(0, 1)], [keys.shape[2]]
+        )
+
+    def skip_block(x, h, positions, keys, values, key_slots, key_valid):
+        return x.clone()  # a branch may not return its input itself
+
+    return torch.cond(runs.view(()), run_block, skip_block, (x, h, positions, keys, values, key_slots, key_valid))
+
+
 def _fewer_rows(rows: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
     """A decode step's running ``rows`` when they are fewer than the ``batch``; None when every row runs (the
     rows are ascending and distinct, so all ``batch`` of them are every row in order): the rows' tensors are

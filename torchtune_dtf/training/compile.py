@@ -15,11 +15,13 @@ What keeps the graphs whole (``docs/design.md`` R6): top-k routing has static sh
 sequence, ⌊γ·b⌋ rows per decode step), the selective cache makes its allocation decisions on the host
 before the layers run (``SelectiveKVCache.make_room``) or, static, never, and each layer gets a
 ``RoutingContext.for_layer`` view with β as tensors, so neither the layer index nor the β schedule becomes a
-guard. Threshold routing keeps one host read per routed layer per student forward (the number of tokens over the
-threshold decides the shapes), made in the layer's own frame, so its layers compile in two pieces
+guard. Threshold and window top-k routing keep one host read per routed layer per student forward (the number of
+tokens the student runs decides the shapes), made in the layer's own frame, so their layers compile in two pieces
 (``fullgraph=False``: the graph before the read, and one graph per count after it) whose graphs stay few over any
-number of decode steps; a training forward only records the threshold student's mask and reads nothing
-(tests/test_compile.py).
+number of decode steps; a training forward only records the student's mask and reads nothing. One exception: a
+decode step of one row either runs its token or skips it, and compiled it decides that by a ``torch.cond`` on the
+device instead (``routed_block.branching_decode_step``), so a batch-1 decode step has no read at all and
+:func:`compiled_decode_step` makes it one graph (tests/test_compile.py).
 """
 
 import os
