@@ -2,7 +2,8 @@
 
 The page holds a table of every run (mean ± std over the seeds present, "partial" where a run has fewer seeds than
 the study or none), paired differences run − baseline per seed with a t-interval, the test-set table (paired by
-seed and by window, bootstrap interval) where runs were scored on one, the figures (:mod:`experiments.plots`), the
+seed and by window, bootstrap interval) where runs were scored on one, the study's ``comparisons`` (per level, the arms
+that compete for one budget ranked on the test windows, each against the best), the figures (:mod:`experiments.plots`), the
 papers' claims table with ``claims.png`` (predictor loss PriorFFN vs TPN, STT dynamic capacity per layer, CE/CU
 shares of the teacher's choices over training, teacher–student agreement STT vs SDT; the verdicts, which need
 three seeds, are ``experiments/frontier/claims.py``'s), and links to the run files.
@@ -61,6 +62,78 @@ def test_section(order: List[str], runs: Results, baselines: List[str], resample
                       f"[{boot['interval'][0]:+.3f}, {boot['interval'][1]:+.3f}]"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def _bootstrap_against(run: List[dict], base: List[dict], resamples: int) -> Optional[dict]:
+    """Run − base on the test windows over the seeds both have (paired by seed and by window), or None."""
+    base_by_seed = {r["seed"]: r["test"]["window_losses"] for r in base}
+    pairs = [(r["test"]["window_losses"], base_by_seed[r["seed"]]) for r in run if r["seed"] in base_by_seed]
+    return seed_window_bootstrap(pairs, resamples=resamples, seed=0) if pairs else None
+
+
+def comparison_section(comparison: dict, runs: Results, expected_seeds: Sequence[int],
+                       resamples: int = 2000) -> List[str]:
+    """One verdict of the study's ``comparisons``: the ranked arms (runs that compete for one budget, e.g. who
+    makes a routed layer's decisions on one shape) ordered by test loss, each one's difference from the best with
+    its seed × window bootstrap interval, the arms ``beside`` them (other FLOPs: not ranked) against the same best,
+    and a sentence naming the best arm and its margin over the runner-up."""
+    scored = {run: [r for r in runs.get(run, []) if r.get("test")] for run in
+              [*comparison["ranked"].values(), *(comparison.get("beside") or {}).values()]}
+    mean_loss = {run: statistics.fmean(r["test"]["student_loss"] for r in results)
+                 for run, results in scored.items() if results}
+    lines = [f"### {comparison['title']}", ""]
+    ranked = sorted((label for label, run in comparison["ranked"].items() if run in mean_loss),
+                    key=lambda label: mean_loss[comparison["ranked"][label]])
+    if not ranked:
+        return lines + ["No ranked arm has been scored on the test windows yet.", ""]
+    best_label = ranked[0]
+    best = comparison["ranked"][best_label]
+    lines += [f"| arm | run | seeds | fwd FLOPs ratio | test loss | Δ vs best (`{best}`) | 95 % CI |",
+              "|---|---|---|---|---|---|---|"]
+    rows = [(label, comparison["ranked"][label], "") for label in ranked]
+    rows += [(label, run, "") for label, run in comparison["ranked"].items() if run not in mean_loss]
+    rows += [(label, run, " (beside, not ranked)") for label, run in (comparison.get("beside") or {}).items()]
+    for label, run, note in rows:
+        results = scored[run]
+        cells = [f"{label}{note}", f"`{run}`", str(len(results)),
+                 fmt_mean_std([METRIC["fwd FLOPs ratio"](r) for r in results], 3),
+                 fmt_mean_std([r["test"]["student_loss"] for r in results], 3)]
+        boot = _bootstrap_against(results, scored[best], resamples) if results and run != best else None
+        cells += ([f"{boot['mean']:+.3f} (n {boot['n_seeds']})", f"[{boot['interval'][0]:+.3f}, {boot['interval'][1]:+.3f}]"]
+                  if boot else ["best" if run == best else "–", "–"])
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    if len(ranked) > 1:
+        runner_label = ranked[1]
+        boot = _bootstrap_against(scored[comparison["ranked"][runner_label]], scored[best], resamples)
+        if boot is None:
+            lines.append(f"Best: {best_label} (`{best}`); it shares no seed with the runner-up {runner_label} yet.")
+        else:
+            low, high = boot["interval"]
+            separated = "the interval excludes 0" if low > 0 else "the interval includes 0: not separated"
+            if boot["n_seeds"] < 2:
+                separated += " (one seed: the interval covers text sampling, not training noise)"
+            lines.append(f"Best: {best_label} (`{best}`, test loss {mean_loss[best]:.3f}), ahead of the runner-up "
+                         f"{runner_label} by {boot['mean']:.3f} nats [{low:+.3f}, {high:+.3f}] over {boot['n_seeds']} "
+                         f"paired seed(s) × {boot['windows']} windows; {separated}.")
+    short = [f"`{run}` ({len(scored[run])})" for run in scored if len(scored[run]) < len(expected_seeds)]
+    if short:
+        lines.append(f"Partial: fewer than {len(expected_seeds)} seeds scored for {', '.join(short)}.")
+    return lines + [""]
+
+
+def comparisons_section(comparisons: Sequence[dict], runs: Results, expected_seeds: Sequence[int]) -> List[str]:
+    """The study's verdict tables (``comparisons`` in the study file), or nothing when it has none."""
+    if not comparisons:
+        return []
+    lines = ["## Verdicts on the test windows", "",
+             "Per comparison, the ranked arms compete for one budget; Δ = arm − the best ranked arm (lowest mean test "
+             "loss over its seeds), averaged over the seeds both have, with a 95 % interval from 2000 bootstrap "
+             "resamples of seeds (paired by seed) and windows (paired by window). Arms beside the ranking (other FLOPs) "
+             "are measured against the same best.", ""]
+    for comparison in comparisons:
+        lines += comparison_section(comparison, runs, expected_seeds)
+    return lines
 
 
 def paired_section(base: str, order: List[str], runs: Results) -> List[str]:
@@ -214,6 +287,7 @@ def aggregate(out_dir: Path) -> Path:
         lines += paired_section(base, order, runs)
 
     lines += test_section(order, runs, baselines)
+    lines += comparisons_section(spec.get("comparisons") or [], runs, expected_seeds)
     plots = make_plots(out_dir, order, runs, dense_names)
     lines += ["## Plots", ""]
     for plot in plots:

@@ -27,6 +27,10 @@ Study file (YAML)
     claims: {stt: stt_papers}                          # optional: run names by role for experiments/frontier/claims.py
                                                        # and targets.py (dense, papers, and ablations: {run without
                                                        # any technique: {technique: run with it}})
+    comparisons:                                       # optional: verdict tables on the test windows, one a level
+      - title: same shape, who routes                  #   arms that compete for one budget (labels: run names);
+        ranked: {surprise: stt_papers, MoD: mod_papers}  # the page names the best and its margin over the rest
+        beside: {dense: dense}                         # optional: shown against that best, not ranked
     runs:
       - name: dense
         config: configs/quickstart/dense_smollm2.yaml
@@ -73,6 +77,32 @@ def _claims_problems(claims: Any, names: List[str]) -> List[str]:
     named = set(roles.values()) | set(ablations) | {run for runs in ablations.values() for run in runs.values()}
     unknown = sorted(named - set(names))
     return [f"claims {unknown} are not run names"] if unknown else []
+
+
+def _comparisons_problems(comparisons: Any, names: List[str]) -> List[str]:
+    """What is wrong with a ``comparisons`` section: a list of ``{title, ranked: {label: run}, beside: {label: run}}``
+    with at least two ranked arms, every arm a run name and no run twice in one comparison."""
+    if not isinstance(comparisons, list):
+        return [f"comparisons must be a list of {{title, ranked, beside}}, got {comparisons!r}"]
+    problems = []
+    for i, comparison in enumerate(comparisons):
+        where = f"comparisons[{i}]"
+        if not isinstance(comparison, dict) or not set(comparison) <= {"title", "ranked", "beside"}:
+            problems.append(f"{where} must be {{title, ranked, beside}}, got {comparison!r}")
+            continue
+        ranked, beside = comparison.get("ranked"), comparison.get("beside") or {}
+        if not isinstance(comparison.get("title"), str):
+            problems.append(f"{where} needs a title")
+        if not isinstance(ranked, dict) or len(ranked) < 2 or not isinstance(beside, dict):
+            problems.append(f"{where}: ranked must map two or more labels to run names (beside: labels to run names)")
+            continue
+        arms = list(ranked.values()) + list(beside.values())
+        unknown = sorted({str(run) for run in arms} - set(names))
+        if unknown:
+            problems.append(f"{where} {unknown} are not run names")
+        if len(set(map(str, arms))) != len(arms):
+            problems.append(f"{where} names a run twice: {arms}")
+    return problems
 
 
 def _runs_from(source: Any, root: Path, path: Path) -> List[Dict[str, Any]]:
@@ -159,6 +189,8 @@ def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
         problems.append(f"claims_runs {unknown} are not run names")
     if "claims" in study:
         problems += _claims_problems(study["claims"], names)
+    if "comparisons" in study:
+        problems += _comparisons_problems(study["comparisons"], names)
     if problems:
         raise StudyError(f"{path}: " + "; ".join(problems))
     study["_root"] = str(root)

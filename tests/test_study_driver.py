@@ -24,7 +24,7 @@ from experiments import StudyError
 from experiments.eleuther import eleuther_config, parse_eleuther_table
 from experiments.evaluation import curves_from_log
 from experiments.frontier import claims, targets
-from experiments.pages import aggregate
+from experiments.pages import aggregate, comparison_section
 from experiments.results import layer_mean_curve, load_results
 from experiments.spec import load_study
 from experiments.stats import paired_difference, seed_window_bootstrap
@@ -440,6 +440,90 @@ def test_study_names_of_baselines_and_claims_runs_must_be_runs(tmp_path):
     with pytest.raises(StudyError, match=r"baselines \['layerdrop'\] are not run names; "
                                                r"claims_runs \['sdt_50'\] are not run names"):
         load_study(path, root=tmp_path)
+
+
+def _scored(seed, windows, flops=0.8):
+    return {"seed": seed, "compute": {"forward_flops_ratio": flops},
+            "test": {"student_loss": sum(windows) / len(windows), "window_losses": windows}}
+
+
+def test_a_comparison_ranks_its_arms_on_the_test_windows_and_measures_each_against_the_best():
+    import random
+
+    rng = random.Random(0)
+    noise = {seed: [rng.gauss(0, 0.3) for _ in range(64)] for seed in (0, 1)}  # the same text for every arm
+
+    def arm(offset, jitter=0.0, seeds=(0, 1)):
+        return [_scored(s, [3.0 + offset + n + rng.gauss(0, jitter) for n in noise[s]]) for s in seeds]
+
+    runs = {"surprise": arm(0.00), "mod": arm(0.05, jitter=0.05), "random": arm(0.20), "close": arm(0.002, jitter=0.05),
+            "layerdrop": arm(-0.10, seeds=(0,))}
+    comparison = {"title": "one shape", "ranked": {"(d) random": "random", "(a) surprise": "surprise", "(c) MoD": "mod"},
+                  "beside": {"(e) no routing": "layerdrop"}}
+    lines = comparison_section(comparison, runs, expected_seeds=[0, 1])
+    rows = [line.split(" | ") for line in lines if line.startswith("| (")]
+    assert [row[0].lstrip("| ") for row in rows] == ["(a) surprise", "(c) MoD", "(d) random",
+                                                     "(e) no routing (beside, not ranked)"]
+    assert rows[0][5] == "best"
+    # Each Δ is the paired mean over seeds and windows, its interval far from 0 where the arms differ by 0.05.
+    mod_delta = sum(b - a for s in (0, 1) for a, b in zip(runs["surprise"][s]["test"]["window_losses"],
+                                                          runs["mod"][s]["test"]["window_losses"])) / 128
+    assert abs(mod_delta - 0.05) < 0.02
+    assert rows[1][5] == f"{mod_delta:+.3f} (n 2)" and rows[2][5] == "+0.200 (n 2)" and rows[3][5] == "-0.100 (n 1)"
+    low, high = (float(v) for v in rows[1][6].strip(" |[]").split(", "))
+    assert 0 < low < mod_delta < high < 0.1
+    verdict = next(line for line in lines if line.startswith("Best:"))
+    assert "(a) surprise" in verdict and f"runner-up (c) MoD by {mod_delta:.3f} nats" in verdict
+    assert "excludes 0" in verdict
+    assert "Partial: fewer than 2 seeds scored for `layerdrop` (1)." in lines
+    # An arm within noise of the best is named as not separated from it.
+    comparison["ranked"] = {"(a) surprise": "surprise", "(b) close": "close"}
+    verdict = next(line for line in comparison_section(comparison, runs, [0, 1]) if line.startswith("Best:"))
+    assert "includes 0: not separated" in verdict
+    assert comparison_section({"title": "t", "ranked": {"x": "unscored", "y": "none"}}, runs, [0])[-2] == (
+        "No ranked arm has been scored on the test windows yet.")
+
+
+def test_committed_attribution_verdicts_are_the_paired_test_differences_of_their_run_files(tmp_path):
+    source = REPO / "experiments" / "attribution"
+    shutil.copytree(source / "runs", tmp_path / "runs")
+    shutil.copy(source / "study.json", tmp_path / "study.json")
+    readme = aggregate(tmp_path).read_text()
+    spec, runs = load_results(tmp_path)
+    section = readme.split("## Verdicts on the test windows")[1].split("\n## ")[0]
+    for comparison in spec["comparisons"]:
+        table = section.split(f"### {comparison['title']}")[1].split("\n### ")[0]
+        rows = {line.split(" | ")[1].strip("`"): line.split(" | ") for line in table.splitlines() if line.startswith("| ")
+                and "`" in line.split(" | ")[1]}
+        losses = {run: {r["seed"]: r["test"]["window_losses"] for r in runs[run]} for run in rows}
+        best = min(comparison["ranked"].values(), key=lambda run: sum(
+            sum(w) / len(w) for w in losses[run].values()) / len(losses[run]))
+        assert rows[best][5] == "best"
+        for run, row in rows.items():
+            seeds = sorted(set(losses[run]) & set(losses[best]))
+            if run == best or not seeds:
+                continue
+            delta = sum(sum(a - b for a, b in zip(losses[run][s], losses[best][s])) / len(losses[run][s])
+                        for s in seeds) / len(seeds)
+            assert row[5] == f"{delta:+.3f} (n {len(seeds)})", (run, row)
+
+
+def test_study_comparisons_must_rank_two_runs_of_the_study(tmp_path):
+    spec = {"name": "s", "out_dir": "out", "work_dir": "work", "seeds": [0], "heldout": {"file": "h.jsonl"},
+            "runs": [{"name": "dense", "config": "d.yaml"}, {"name": "stt", "config": "s.yaml"}]}
+    path = tmp_path / "study.yaml"
+    good = [{"title": "t", "ranked": {"a": "stt", "b": "dense"}}]
+    path.write_text(json.dumps({**spec, "comparisons": good}))
+    assert load_study(path, root=tmp_path)["comparisons"] == good
+    for comparisons, message in [
+        ([{"title": "t", "ranked": {"a": "stt", "b": "mod_50"}}], r"comparisons\[0\] \['mod_50'\] are not run names"),
+        ([{"title": "t", "ranked": {"a": "stt"}}], r"ranked must map two or more labels"),
+        ([{"title": "t", "ranked": {"a": "stt", "b": "dense"}, "beside": {"c": "stt"}}], r"names a run twice"),
+        ({"title": "t"}, r"comparisons must be a list"),
+    ]:
+        path.write_text(json.dumps({**spec, "comparisons": comparisons}))
+        with pytest.raises(StudyError, match=message):
+            load_study(path, root=tmp_path)
 
 
 def test_committed_frontier_results_aggregate_to_paired_tables_of_their_own_numbers(tmp_path):
