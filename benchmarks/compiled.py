@@ -254,29 +254,46 @@ class Decoder:
         sync(self.prompt.device)
 
     def __call__(self) -> None:
+        self.decode(0, self.steps)
+
+    def decode(self, start: int, stop: int) -> None:
+        """Decode steps ``start`` … ``stop − 1`` after the prompt (steps before ``start`` already decoded since
+        :meth:`prepare`), and wait for them."""
         batch, context = self.prompt.shape
         token = self.token
         with torch.inference_mode():
-            for t in range(context, context + self.steps):
+            for t in range(context + start, context + stop):
                 position = torch.full((batch, 1), t, device=self.prompt.device)
                 if self.forced is not None:
                     token = self.forced[:, t - context, None]
                 token, _ = self.step_fn(self.model, position, token, mask=self.masks[:, t : t + 1], temperature=1.0, top_k=1)
+        self.token = token
         sync(self.prompt.device)
 
 
-def decode_times(decoders: Dict[str, Decoder], rounds: int) -> Dict[str, List[float]]:
-    """Per-step decode time of each model, interleaved; every round re-runs each model's prefill (untimed)."""
+def decode_times(decoders: Dict[str, Decoder], rounds: int, chunk: Optional[int] = None) -> Dict[str, List[float]]:
+    """Per-step decode time of each model, interleaved; every round re-runs each model's prefill (untimed).
+
+    With ``chunk`` steps, a round decodes every model ``chunk`` steps at a time in turn (A's steps 0–7, B's 0–7,
+    …, then A's 8–15, …), each chunk a sample: the models' samples at the same positions lie a second or two apart,
+    so a busy neighbour's load on the memory bus, which drifts over tens of seconds, falls on all of them alike
+    and the per-sample ratios keep less of it than whole rounds do. Without it, one sample per model per round."""
     times = {label: [] for label in decoders}
     labels = list(decoders)
+    steps = next(iter(decoders.values())).steps
+    chunk = chunk or steps
+    if steps % chunk:
+        raise ValueError(f"--decode-chunk {chunk} must divide the {steps} decode steps")
     for r in range(rounds + 1):  # round 0 warms up (compiles)
-        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
-            decoder = decoders[label]
-            decoder.prepare()
-            start = time.perf_counter()
-            decoder()
-            if r:
-                times[label].append((time.perf_counter() - start) / decoder.steps)
+        order = labels[r % len(labels):] + labels[: r % len(labels)]
+        for label in order:
+            decoders[label].prepare()
+        for c, start in enumerate(range(0, steps, chunk)):
+            for label in order[c % len(order):] + order[: c % len(order)]:  # no model always first after a switch
+                began = time.perf_counter()
+                decoders[label].decode(start, start + chunk)
+                if r:
+                    times[label].append((time.perf_counter() - began) / chunk)
     return times
 
 
@@ -326,7 +343,7 @@ def run(args) -> Dict:
                    else f"CPU {platform.processor() or platform.machine()}, {args.threads} threads")
         + f", {args.dtype}, torch {torch.__version__}",
         "shape": args.shape, "prefill_len": args.prefill_len, "context": args.context, "context_b8": args.context_b8,
-        "decode_steps": args.decode_steps, "decode_input": args.decode_input, "decode_compile": args.decode_compile,
+        "decode_steps": args.decode_steps, "decode_chunk": args.decode_chunk, "decode_input": args.decode_input, "decode_compile": args.decode_compile,
         "train_len": args.train_len, "rounds": args.rounds, "prefill_batch": args.prefill_batch,
         "train_batch": args.train_batch, "decode_batches": args.decode_batches, "models": {k: {kk: vv for kk, vv in v.items()
                                                                           if kk not in ("vocab_size",)}
@@ -386,7 +403,7 @@ def run(args) -> Dict:
                 log(f"{mode}: decode b1 at context {args.context}")
                 decoders = {label: Decoder(model, prompt_1, args.decode_steps, whole_step, dtype, streams[1])
                             for label, model in models.items()}
-                times = decode_times(decoders, args.rounds)
+                times = decode_times(decoders, args.rounds, args.decode_chunk)
                 for label, model in models.items():
                     decoders[label].prepare()
                     if hasattr(model, "reset_routing_counters"):
@@ -417,7 +434,7 @@ def run(args) -> Dict:
                 decoders = {label: Decoder(model, prompts[batch], args.decode_steps, whole_step, dtype,
                                             streams[batch])
                             for label, model in models.items()}
-                section[f"decode_b{batch}"] = {"times": decode_times(decoders, args.rounds)}
+                section[f"decode_b{batch}"] = {"times": decode_times(decoders, args.rounds, args.decode_chunk)}
                 for model in models.values():
                     delete_kv_caches(model)
                 save()
@@ -458,7 +475,11 @@ def render(results: Dict) -> str:
            else "the token each model sampled (greedy)") + ". Compiled decoding: "
         + ("the layers compiled one by one." if results.get("decode_compile", "layers") == "layers"
            else "one compiled `generate_next_token` per step (every layer in one graph, as `routed_generate` with "
-                "`compile: True`).") , "",
+                "`compile: True`).")
+        + (f" Decode samples are chunks of {results['decode_chunk']} steps: each round decodes every model "
+           f"{results['decode_chunk']} steps at a time in turn, so a decode ratio is the median over rounds × "
+           f"{results['decode_steps'] // results['decode_chunk']} chunks, lowest and highest of those in brackets."
+           if results.get("decode_chunk") else ""), "",
     ]
     workloads = [("prefill", f"prefill b{results.get('prefill_batch', 1)} × {results['prefill_len']}"),
                  ("decode_b1", f"decode b1, context {results['context']} (threshold student)"),
@@ -543,6 +564,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--decode-chunk", type=int, default=None,
+                        help="decode every model this many steps at a time in turn, each chunk a timed sample "
+                             "(default: the whole --decode-steps, one sample per round)")
     parser.add_argument("--decode-input", default="forced", choices=["forced", "greedy"],
                         help="what each decode step reads: a fixed random token stream (default) or the token it sampled")
     parser.add_argument("--models", nargs="+", default=None, help="labels to run (dense is always run)")

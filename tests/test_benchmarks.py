@@ -502,3 +502,36 @@ def test_attention_work_times_the_routed_layer_chunked_and_as_one_call(tmp_path)
     assert attention_work.routed_block.query_chunks(128) == [(0, 64), (64, 128)]
     assert "kv_kept_one_call" in (tmp_path / "results_256.md").read_text()
 
+
+
+def test_chunked_decode_samples_continue_the_same_decode_as_one_pass():
+    """`--decode-chunk`: decoding a model in chunks (others' chunks between them) is the same decode as one pass
+    (same tokens, same cache contents), and every chunk of every timed round is one sample per model."""
+    from benchmarks import compiled
+
+    sections = {label: s for label, s in compiled.plan_models("tiny").items() if label in ("dense", "stt_papers_50")}
+    models = compiled.build_models(sections, "threshold", torch.device("cpu"), torch.float32)
+    prompt = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+
+    def decoded(decoder, chunks):
+        decoder.prepare()
+        tokens = []
+        for start, stop in chunks:
+            decoder.decode(start, stop)
+            tokens.append(decoder.token.clone())
+        caches = {name: buffer.clone() for name, buffer in decoder.model.named_buffers() if "cache" in name}
+        return tokens[-1], caches
+
+    for label, model in models.items():
+        decoder = compiled.Decoder(model, prompt, 12, False, torch.float32)  # greedy: each step reads its own token
+        whole_token, whole_caches = decoded(decoder, [(0, 12)])
+        chunk_token, chunk_caches = decoded(decoder, [(0, 4), (4, 8), (8, 12)])
+        assert torch.equal(whole_token, chunk_token), label
+        assert whole_caches.keys() == chunk_caches.keys() and len(whole_caches) > 0
+        for name in whole_caches:
+            assert torch.equal(whole_caches[name], chunk_caches[name]), (label, name)
+    decoders = {label: compiled.Decoder(model, prompt, 12, False, torch.float32) for label, model in models.items()}
+    times = compiled.decode_times(decoders, rounds=2, chunk=4)
+    assert {label: len(t) for label, t in times.items()} == {"dense": 6, "stt_papers_50": 6}
+    with pytest.raises(ValueError, match="must divide the 12 decode steps"):
+        compiled.decode_times(decoders, rounds=1, chunk=5)
