@@ -272,12 +272,15 @@ class Decoder:
 
 
 def decode_times(decoders: Dict[str, Decoder], rounds: int, chunk: Optional[int] = None) -> Dict[str, List[float]]:
-    """Per-step decode time of each model, interleaved; every round re-runs each model's prefill (untimed).
+    """Per-step decode time of each model in each round, interleaved; every round re-runs each model's prefill
+    (untimed).
 
     With ``chunk`` steps, a round decodes every model ``chunk`` steps at a time in turn (A's steps 0–7, B's 0–7,
-    …, then A's 8–15, …), each chunk a sample: the models' samples at the same positions lie a second or two apart,
-    so a busy neighbour's load on the memory bus, which drifts over tens of seconds, falls on all of them alike
-    and the per-sample ratios keep less of it than whole rounds do. Without it, one sample per model per round."""
+    …, then B's 8–15, C's 8–15, …, A's), and a model's round time is the sum of its chunks: the models' steps at
+    the same positions lie a second or two apart, so a busy neighbour's load on the memory bus, which drifts over
+    tens of seconds, falls on all of them alike. (A chunk is not a sample of its own: at batch 1 a threshold
+    student runs a different share of its tokens in each chunk, so per-chunk ratios spread with the routing, not
+    with the machine.) Without it, each model decodes all its steps in one go."""
     times = {label: [] for label in decoders}
     labels = list(decoders)
     steps = next(iter(decoders.values())).steps
@@ -288,12 +291,15 @@ def decode_times(decoders: Dict[str, Decoder], rounds: int, chunk: Optional[int]
         order = labels[r % len(labels):] + labels[: r % len(labels)]
         for label in order:
             decoders[label].prepare()
+        spent = {label: 0.0 for label in labels}
         for c, start in enumerate(range(0, steps, chunk)):
             for label in order[c % len(order):] + order[: c % len(order)]:  # no model always first after a switch
                 began = time.perf_counter()
                 decoders[label].decode(start, start + chunk)
-                if r:
-                    times[label].append((time.perf_counter() - began) / chunk)
+                spent[label] += time.perf_counter() - began
+        if r:
+            for label in labels:
+                times[label].append(spent[label] / steps)
     return times
 
 
@@ -476,9 +482,7 @@ def render(results: Dict) -> str:
         + ("the layers compiled one by one." if results.get("decode_compile", "layers") == "layers"
            else "one compiled `generate_next_token` per step (every layer in one graph, as `routed_generate` with "
                 "`compile: True`).")
-        + (f" Decode samples are chunks of {results['decode_chunk']} steps: each round decodes every model "
-           f"{results['decode_chunk']} steps at a time in turn, so a decode ratio is the median over rounds × "
-           f"{results['decode_steps'] // results['decode_chunk']} chunks, lowest and highest of those in brackets."
+        + (f" Decoding interleaves the models {results['decode_chunk']} steps at a time within each round."
            if results.get("decode_chunk") else ""), "",
     ]
     workloads = [("prefill", f"prefill b{results.get('prefill_batch', 1)} × {results['prefill_len']}"),
@@ -565,8 +569,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--decode-chunk", type=int, default=None,
-                        help="decode every model this many steps at a time in turn, each chunk a timed sample "
-                             "(default: the whole --decode-steps, one sample per round)")
+                        help="within a round, decode every model this many steps at a time in turn "
+                             "(default: the whole --decode-steps in one go)")
     parser.add_argument("--decode-input", default="forced", choices=["forced", "greedy"],
                         help="what each decode step reads: a fixed random token stream (default) or the token it sampled")
     parser.add_argument("--models", nargs="+", default=None, help="labels to run (dense is always run)")
