@@ -16,8 +16,8 @@ from torchtune_dtf.plan import inner_layers_by_influence, plan_layers
 REPO = Path(__file__).resolve().parents[1]
 BEFORE = json.loads((REPO / "tests" / "assets" / "study_runs_before_parts.json").read_text())
 STUDIES = sorted(key for key in BEFORE if not key.startswith("_"))
-#: Study sections added with the parts: in the resolved study (and study.json) beside what it always held.
-ADDED = {"experiments/frontier/study.yaml": ["claims"]}
+#: Study sections added with the parts or since (verdict tables): in the resolved study (and study.json) beside what it always held.
+ADDED = {"experiments/frontier/study.yaml": ["claims"], "experiments/attribution/study.yaml": ["comparisons"]}
 QUICKSTART = REPO / "configs" / "quickstart"
 #: A made-up measurement for the 30 layers of the quickstart model: the inner layers rank 14, 13, 12, … 1, then 15 … 28.
 INFLUENCE = [1.0] + [0.5 - 0.01 * layer if layer < 15 else 0.5 + 0.01 * layer for layer in range(1, 29)] + [1.0]
