@@ -484,12 +484,17 @@ def test_a_comparison_ranks_its_arms_on_the_test_windows_and_measures_each_again
         "No ranked arm has been scored on the test windows yet.")
 
 
-def test_committed_attribution_verdicts_are_the_paired_test_differences_of_their_run_files(tmp_path):
-    source = REPO / "experiments" / "attribution"
+def aggregated_copy(study: str, tmp_path: Path):
+    """(page text, spec, runs) of a committed study's run files aggregated afresh in ``tmp_path``."""
+    source = REPO / "experiments" / study
     shutil.copytree(source / "runs", tmp_path / "runs")
     shutil.copy(source / "study.json", tmp_path / "study.json")
     readme = aggregate(tmp_path).read_text()
-    spec, runs = load_results(tmp_path)
+    return (readme, *load_results(tmp_path))
+
+
+def test_committed_attribution_verdicts_are_the_paired_test_differences_of_their_run_files(tmp_path):
+    readme, spec, runs = aggregated_copy("attribution", tmp_path)
     section = readme.split("## Verdicts on the test windows")[1].split("\n## ")[0]
     for comparison in spec["comparisons"]:
         table = section.split(f"### {comparison['title']}")[1].split("\n### ")[0]
@@ -529,11 +534,7 @@ def test_study_comparisons_must_rank_two_runs_of_the_study(tmp_path):
 def test_committed_frontier_results_aggregate_to_paired_tables_of_their_own_numbers(tmp_path):
     # The real study's run files: each paired row is the per-seed difference of the two runs' JSONs, and a
     # run with no seed in common with a baseline gets no row of dashes but one line naming it.
-    source = REPO / "experiments" / "frontier"
-    shutil.copytree(source / "runs", tmp_path / "runs")
-    shutil.copy(source / "study.json", tmp_path / "study.json")
-    readme = aggregate(tmp_path).read_text()
-    _, runs = load_results(tmp_path)
+    readme, _, runs = aggregated_copy("frontier", tmp_path)
     loss = lambda r: r["heldout"]["student_loss"]  # noqa: E731
     expected_names = [r["name"] for r in json.loads((tmp_path / "study.json").read_text())["runs"]]
     for base in ("layerdrop_7", "random_50"):
