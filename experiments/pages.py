@@ -33,6 +33,13 @@ def fmt_mean_std(values: Sequence[Optional[float]], digits: int) -> str:
     return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
+def _bootstrap_against(run: List[dict], base: List[dict], resamples: int) -> Optional[dict]:
+    """Run − base on the test windows over the seeds both have (paired by seed and by window), or None."""
+    base_by_seed = {r["seed"]: r["test"]["window_losses"] for r in base}
+    pairs = [(r["test"]["window_losses"], base_by_seed[r["seed"]]) for r in run if r["seed"] in base_by_seed]
+    return seed_window_bootstrap(pairs, resamples=resamples, seed=0) if pairs else None
+
+
 def test_section(order: List[str], runs: Results, baselines: List[str], resamples: int = 2000) -> List[str]:
     """The test-set table (runs scored on the study's ``test`` windows), or nothing when no run was."""
     scored = {n: [r for r in runs.get(n, []) if r.get("test")] for n in order}
@@ -51,24 +58,14 @@ def test_section(order: List[str], runs: Results, baselines: List[str], resample
     for n, results in scored.items():
         cells = [f"`{n}`", str(len(results)), fmt_mean_std([r["test"]["student_loss"] for r in results], 3)]
         for base in baselines:
-            base_by_seed = {r["seed"]: r["test"] for r in scored.get(base, [])}
-            pairs = [(r["test"]["window_losses"], base_by_seed[r["seed"]]["window_losses"]) for r in results
-                     if r["seed"] in base_by_seed and n != base]
-            if not pairs:
+            boot = _bootstrap_against(results, scored.get(base, []), resamples) if n != base else None
+            if boot is None:
                 cells += ["–", "–"]
                 continue
-            boot = seed_window_bootstrap(pairs, resamples=resamples, seed=0)
             cells += [f"{boot['mean']:+.3f} (n {boot['n_seeds']})",
                       f"[{boot['interval'][0]:+.3f}, {boot['interval'][1]:+.3f}]"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
-
-
-def _bootstrap_against(run: List[dict], base: List[dict], resamples: int) -> Optional[dict]:
-    """Run − base on the test windows over the seeds both have (paired by seed and by window), or None."""
-    base_by_seed = {r["seed"]: r["test"]["window_losses"] for r in base}
-    pairs = [(r["test"]["window_losses"], base_by_seed[r["seed"]]) for r in run if r["seed"] in base_by_seed]
-    return seed_window_bootstrap(pairs, resamples=resamples, seed=0) if pairs else None
 
 
 def comparison_section(comparison: dict, runs: Results, expected_seeds: Sequence[int],
@@ -93,19 +90,20 @@ def comparison_section(comparison: dict, runs: Results, expected_seeds: Sequence
     rows = [(label, comparison["ranked"][label], "") for label in ranked]
     rows += [(label, run, "") for label, run in comparison["ranked"].items() if run not in mean_loss]
     rows += [(label, run, " (beside, not ranked)") for label, run in (comparison.get("beside") or {}).items()]
+    against_best = {}  # run: its bootstrap against the best (None: unscored, the best itself, or no seed shared)
     for label, run, note in rows:
         results = scored[run]
         cells = [f"{label}{note}", f"`{run}`", str(len(results)),
                  fmt_mean_std([METRIC["fwd FLOPs ratio"](r) for r in results], 3),
                  fmt_mean_std([r["test"]["student_loss"] for r in results], 3)]
-        boot = _bootstrap_against(results, scored[best], resamples) if results and run != best else None
+        boot = against_best[run] = _bootstrap_against(results, scored[best], resamples) if run != best else None
         cells += ([f"{boot['mean']:+.3f} (n {boot['n_seeds']})", f"[{boot['interval'][0]:+.3f}, {boot['interval'][1]:+.3f}]"]
                   if boot else ["best" if run == best else "–", "–"])
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if len(ranked) > 1:
         runner_label = ranked[1]
-        boot = _bootstrap_against(scored[comparison["ranked"][runner_label]], scored[best], resamples)
+        boot = against_best[comparison["ranked"][runner_label]]
         if boot is None:
             lines.append(f"Best: {best_label} (`{best}`); it shares no seed with the runner-up {runner_label} yet.")
         else:
