@@ -229,10 +229,14 @@ BATCH1_CASES = [
     (variant, shape, student, "aot_eager")
     for variant in ROUTED_VARIANTS for shape in ("papers", "recommended") for student in sorted(COUNTED_STUDENTS)
 ] + [
+    # STT's forecast, computed in the skip branch only, reads the output the cache carries from the step before.
+    ("stt", "forecast", student, "aot_eager") for student in sorted(COUNTED_STUDENTS)
+] + [
     # Inductor itself: the branching step reads and overwrites the router's carried term in one graph, the
     # pattern its CPU fusion failed on (pytorch/pytorch#188228) unless the read goes through ``carried_copy``.
     pytest.param("stt", "papers", "threshold", "inductor", marks=pytest.mark.slow),
     pytest.param("stt", "recommended", "window_topk", "inductor", marks=pytest.mark.slow),
+    pytest.param("stt", "forecast", "threshold", "inductor", marks=pytest.mark.slow),
 ]
 
 
@@ -285,6 +289,9 @@ def test_batch1_counted_decode_step_compiles_whole_and_matches_eager(variant, sh
             torch.testing.assert_close(compiled_caches[idx][name][:, :, :filled], eager_caches[idx][name][:, :, :filled],
                                        rtol=1e-5, atol=1e-5)
         assert torch.equal(compiled_caches[idx]["entry_slots"][:, :filled], eager_caches[idx]["entry_slots"][:, :filled])
+        # What the next token's forecast reads: the last routed output before its own forecast.
+        torch.testing.assert_close(compiled_caches[idx]["last_output"], eager_caches[idx]["last_output"],
+                                   rtol=1e-5, atol=1e-5)
     # One more decode step of each routed layer (the eager model's, its cache set up), traced as compile_layers
     # compiles it: no break at all.
     for layer in eager.routed_layers():

@@ -11,7 +11,7 @@ shared :func:`routed_block_forward`, and the student (causal router) is the same
 """
 
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -430,6 +430,48 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             return gate
         return (gate - gate.detach()) + 1.0  # exactly 1 forward, d/dgate = update
 
+    def _add_skip_update(
+        self,
+        out: torch.Tensor,
+        selection: Selection,
+        starts: torch.Tensor,
+        cache: Optional[SelectiveKVCache],
+        every_row_skipped: Optional[bool],
+    ) -> torch.Tensor:
+        """``out [b, s, d]`` with the skip update (``skip_update``: forecast or bias) added to the tokens that
+        ``selection`` skips; with a forecast, the routed output before it is handed to the cache first."""
+        if self.skip_update == "predicted":
+            # Token t's forecast reads token t−1's output without its own forecast: one parallel pass, causal.
+            previous = previous_token_states(out, starts, None if cache is None else cache.last_output)
+            if cache is not None:
+                cache.carry_output(out)
+            skipped = skipped_selection(selection)
+            if every_row_skipped is not None:  # a decode step in which all rows skipped, or all ran
+                return out + self.skip_forecast(previous) if every_row_skipped else out
+            if skipped is None:
+                return out + self.skip_forecast(previous) * (~selection.mask)[..., None].to(out.dtype)
+            if skipped.num_selected:  # the forecast runs on the skipped tokens only
+                return scatter_updates(out, skipped, self.skip_forecast(gather_tokens(previous, skipped.positions)))
+        elif self.skip_update == "bias":
+            if every_row_skipped is None:
+                return out + self.skip_bias().to(out.dtype) * (~selection.mask)[..., None].to(out.dtype)
+            if every_row_skipped:
+                return out + self.skip_bias().to(out.dtype)
+        return out
+
+    def _skipped_token_update(
+        self, x: torch.Tensor, starts: torch.Tensor, cache: SelectiveKVCache
+    ) -> Optional[Callable[[], torch.Tensor]]:
+        """For a branching decode step (one token): what computes the update ``[1, 1, d]`` a skipped token
+        receives, called in the skip branch only; None with ``skip_update: none``. The forecast reads the
+        previous token's routed output, which the cache carries (a one-token chunk has no other)."""
+        if self.skip_update == "predicted":
+            previous = previous_token_states(x, starts, cache.last_output)
+            return lambda: self.skip_forecast(previous)
+        if self.skip_update == "bias":
+            return lambda: self.skip_bias().to(x.dtype)
+        return None
+
     # -- forward --------------------------------------------------------------------------------
     def forward(
         self,
@@ -538,34 +580,36 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         # Filed before the block runs: dynamo (torch 2.13) drops attribute writes made after a torch.cond to an
         # object created in the same graph, so after ``branching_decode_step`` this record would keep None.
         record.selected_mask = selection.mask
-        block_forward = branching_decode_step if branching else routed_block_forward
-        out = block_forward(
-            self,
-            x,
-            selection.mask if branching else selection,
-            gate if routing.apply_gate else None,
-            positions=positions,
-            mask=mask,
-            cache=cache,
-            skipped_tokens_write_kv=self.skipped_tokens_write_kv,
-        )
-        if self.skip_update == "predicted":
-            # Token t's forecast reads token t−1's output without its own forecast: one parallel pass, causal.
-            previous = previous_token_states(out, starts, None if cache is None else cache.last_output)
-            if cache is not None:
-                cache.carry_output(out)
-            skipped = skipped_selection(selection)
-            if every_row_skipped is not None:  # a decode step in which all rows skipped, or all ran
-                out = out + self.skip_forecast(previous) if every_row_skipped else out
-            elif skipped is None:
-                out = out + self.skip_forecast(previous) * (~selection.mask)[..., None].to(out.dtype)
-            elif skipped.num_selected:  # the forecast runs on the skipped tokens only
-                out = scatter_updates(out, skipped, self.skip_forecast(gather_tokens(previous, skipped.positions)))
-        elif self.skip_update == "bias":
-            if every_row_skipped is None:
-                out = out + self.skip_bias().to(out.dtype) * (~selection.mask)[..., None].to(out.dtype)
-            elif every_row_skipped:
-                out = out + self.skip_bias().to(out.dtype)
+        if branching:
+            # The skip update goes into the branch the token takes: a token that runs the block never computes
+            # the forecast (or adds the bias) only to have it masked away.
+            out = branching_decode_step(
+                self,
+                x,
+                selection.mask,
+                gate if routing.apply_gate else None,
+                positions=positions,
+                mask=mask,
+                cache=cache,
+                skipped_tokens_write_kv=self.skipped_tokens_write_kv,
+                skipped_update=self._skipped_token_update(x, starts, cache),
+            )
+            if self.skip_update == "predicted":
+                # The next token's forecast reads this one's output before its own forecast: the block's output
+                # when it ran, its input when it skipped.
+                cache.carry_output(torch.where(selection.mask[..., None], out, x))
+        else:
+            out = routed_block_forward(
+                self,
+                x,
+                selection,
+                gate if routing.apply_gate else None,
+                positions=positions,
+                mask=mask,
+                cache=cache,
+                skipped_tokens_write_kv=self.skipped_tokens_write_kv,
+            )
+            out = self._add_skip_update(out, selection, starts, cache, every_row_skipped)
         if cache is not None:
             cache.advance(x)
         if routing.mode == "student":  # the deployed router only (see routing_counts)

@@ -24,7 +24,7 @@ Shapes: with a top-k selection every shape here is static (k slots per row, or â
 nothing is read back from the device, so ``torch.compile(fullgraph=True)`` captures the whole layer.
 """
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -231,6 +231,7 @@ def branching_decode_step(
     mask: Optional[torch.Tensor],
     cache: SelectiveKVCache,
     skipped_tokens_write_kv: bool,
+    skipped_update: Optional[Callable[[], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """A batch-1 decode step whose token runs the block or skips it as the device decides, without a host read.
 
@@ -254,6 +255,9 @@ def branching_decode_step(
         mask (Optional[torch.Tensor]): ``[1, 1, max_cache_len]`` boolean mask over layout slots, or None (causal).
         cache (SelectiveKVCache): the layer's cache.
         skipped_tokens_write_kv (bool): every token stores its K/V (context-preserving attention).
+        skipped_update (Optional[Callable[[], torch.Tensor]]): computes the update ``[1, 1, d]`` a skipped token
+            receives (the layer's skip bias or forecast), called in the skip branch only, so a token that runs
+            the block does not compute it; None: a skipped token leaves as it came.
 
     Returns:
         torch.Tensor: ``[1, 1, d]``.
@@ -276,7 +280,9 @@ def branching_decode_step(
         )
 
     def skip_block(x, h, positions, keys, values, key_slots, key_valid):
-        return x.clone()  # a branch may not return its input itself
+        if skipped_update is None:
+            return x.clone()  # a branch may not return its input itself
+        return x + skipped_update()
 
     return torch.cond(runs.view(()), run_block, skip_block, (x, h, positions, keys, values, key_slots, key_valid))
 
