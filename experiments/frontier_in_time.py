@@ -2,16 +2,24 @@
 
     python experiments/frontier_in_time.py --study experiments/budget_cpu200 \
         --timing benchmarks/results/frontier_time_smollm2/results.json
+    python experiments/frontier_in_time.py --study experiments/attribution --loss test --mode compiled \
+        --timing benchmarks/results/frontier_time_smollm2_compiled/results.json \
+                 benchmarks/results/frontier_time_smollm2_compiled_prefill/results.json
 
 The timing file is ``python -m benchmarks.compiled``'s (each model interleaved with dense in one process, time /
-dense per workload); its labels name study runs through ``benchmarks.compiled.SMOLLM2_RECIPES``. For each workload
+dense per workload); its labels name study runs through ``benchmarks.compiled.SMOLLM2_RECIPES``. Given several,
+each workload is taken whole from the last file that times it (e.g. a prefill re-timed in a process of its own),
+so every ratio of one workload still comes from one interleaved run. For each workload
 (prefill, decode at batch 1) and for the study's own FLOPs (closed form at the executed fractions it measured, the
 x axis of its frontier), the page draws student loss (mean over the seeds the
 study has) against the cost, and gives each level's verdict: the recommended recipe's loss minus the
 layer-dropping line's at the recipe's own cost, the line interpolated linearly between the timed layer-dropping
 runs on either side (dense is its end at 1). Negative: the recipe is better than dropping layers at what it costs in that unit.
 
-Writes ``time_frontier.png`` and ``time_frontier.md`` into the study folder.
+The loss is the study's student loss on its held-out validation windows (``--loss heldout``, what the budget study
+reports) or on the test windows no choice read (``--loss test``, what the attribution study reports). Writes
+``time_frontier.png`` and ``time_frontier.md`` into the study folder (``time_frontier_<mode>_<loss>.*`` for any
+other mode or loss, so the pages of several timings sit side by side).
 """
 
 import argparse
@@ -27,32 +35,51 @@ if str(REPO) not in sys.path:
 
 from benchmarks.common import paired_ratio  # noqa: E402
 from benchmarks.compiled import BASELINE_OF, SMOLLM2_RECIPES  # noqa: E402
-from experiments.results import METRIC, load_results  # noqa: E402
+from experiments.results import METRIC, field, load_results  # noqa: E402
 
 #: Costs on the x axis: (key in the benchmark's sections or "flops", axis title).
 COSTS = (("flops", "forward FLOPs / dense (the study's)"),
          ("prefill", "prefill time / dense (measured)"),
          ("decode_b1", "decode time per token, batch 1 / dense (measured)"))
 
+#: Which student loss of a run JSON is plotted: ``--loss`` → (value of one run JSON, how the page names it).
+LOSSES = {"heldout": (METRIC["student loss"], "student held-out loss (the validation windows)"),
+          "test": (field("test", "student_loss"), "student loss on the test windows (no choice read them)")}
 
-def measured_costs(timing: Dict, mode: str = "eager") -> Dict[str, Dict[str, float]]:
-    """``{label: {workload: time / dense}}``: the benchmark's median of the rounds' ratios per workload."""
+
+WORKLOADS = ("prefill", "decode_b1")
+
+
+def workload_sources(timings: Sequence[Dict], mode: str) -> Dict[str, Dict]:
+    """``{workload: the timing file that supplies it}``: the last of ``timings`` with that workload in ``mode``."""
+    return {workload: timing for timing in timings for workload in WORKLOADS
+            if workload in timing["sections"].get(mode, {})}
+
+
+def measured_costs(timings: Sequence[Dict], mode: str = "eager") -> Dict[str, Dict[str, float]]:
+    """``{label: {workload: time / dense}}``: the benchmark's median of the rounds' ratios per workload, each
+    workload from the file :func:`workload_sources` picks for it."""
     costs: Dict[str, Dict[str, float]] = {}
-    sections = timing["sections"].get(mode, {})
-    for label in timing["models"]:
-        costs[label] = {}
-        for workload in ("prefill", "decode_b1"):
-            if workload in sections:
-                costs[label][workload] = paired_ratio(sections[workload]["times"], label, "dense")
+    for timing in timings:
+        for label in timing["models"]:
+            costs.setdefault(label, {})
+    for workload, timing in workload_sources(timings, mode).items():
+        times = timing["sections"][mode][workload]["times"]
+        for label in timing["models"]:
+            if label in times:
+                costs[label][workload] = paired_ratio(times, label, "dense")
     return costs
 
 
-def study_points(study_dir: Path, names: Sequence[str]) -> Dict[str, Tuple[float, Optional[float], int]]:
-    """``{run: (student held-out loss, forward FLOPs ratio, seeds)}``, means over the seeds the study has."""
+def study_points(study_dir: Path, names: Sequence[str],
+                 loss: str = "heldout") -> Dict[str, Tuple[float, Optional[float], int]]:
+    """``{run: (student loss, forward FLOPs ratio, seeds)}``, means over the seeds the study has (``loss``: a key of
+    ``LOSSES``; a seed without that loss is not counted)."""
     _, runs = load_results(study_dir)
+    value = LOSSES[loss][0]
     out = {}
     for name in names:
-        losses = [v for v in (METRIC["student loss"](r) for r in runs.get(name, [])) if v is not None]
+        losses = [v for v in (value(r) for r in runs.get(name, [])) if v is not None]
         flops = [v for v in (METRIC["fwd FLOPs ratio"](r) for r in runs.get(name, [])) if v is not None]
         if losses:
             out[name] = (statistics.fmean(losses), statistics.fmean(flops) if flops else None, len(losses))
@@ -89,7 +116,7 @@ def verdicts(costs: Dict[str, Dict[str, float]], losses: Dict[str, float]) -> Li
     return rows
 
 
-def plot(path: Path, costs: Dict[str, Dict[str, float]], losses: Dict[str, float]) -> None:
+def plot(path: Path, costs: Dict[str, Dict[str, float]], losses: Dict[str, float], loss_title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,29 +145,39 @@ def plot(path: Path, costs: Dict[str, Dict[str, float]], losses: Dict[str, float
                 ax.annotate(label, (value[cost], losses[label]), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel(title)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("student held-out loss (mean over seeds)")
-    axes[0].legend(fontsize=8)
+    axes[0].set_ylabel(f"{loss_title}, mean over seeds".replace(" (", "\n("))
+    if axes[0].get_legend_handles_labels()[0]:  # the layer-dropping line drawn
+        axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def markdown(study_dir: Path, timing_path: Path, timing: Dict, costs, losses, seeds, rows, mode: str) -> str:
+def markdown(study_dir: Path, timing_paths: Sequence[Path], timings: Sequence[Dict], costs, losses, seeds, rows,
+             mode: str, loss: str, stem: str) -> str:
     names = {label: name for label, _, name in SMOLLM2_RECIPES}
-    lines = [f"# {study_dir.name}: the frontier in time", "",
+    options = "".join(f" --{key} {value}" for key, value, default in (("mode", mode, "eager"), ("loss", loss, "heldout"))
+                      if value != default)
+    windows = "validation" if loss == "heldout" else "test"
+    sources = workload_sources(timings, mode)
+    timed = "; ".join(
+        f"{', '.join(w for w, t in sources.items() if t is timing)}: `{timing['command']}` ({timing['date']}, "
+        f"{timing['device']}; {mode}; median over {timing['rounds']} interleaved rounds of time / dense)"
+        for timing in timings if any(t is timing for t in sources.values()))
+    lines = [f"# {study_dir.name}: the frontier in time ({mode}, loss on the {windows} windows)", "",
              f"Written by `python experiments/frontier_in_time.py --study {study_dir.as_posix()} --timing "
-             f"{timing_path.as_posix()}`. Loss: the study's student held-out loss, mean over the seeds it has. Time: "
-             f"`{timing['command']}` ({timing['date']}, {timing['device']}; {mode}; median over {timing['rounds']} "
-             "interleaved rounds of time / dense), random weights of each run's shape. FLOPs: the study's (closed form at "
-             "the executed fractions it measured on the held-out windows).", "",
-             "![time_frontier.png](time_frontier.png)", "",
+             f"{' '.join(p.as_posix() for p in timing_paths)}{options}`. Loss: the study's {LOSSES[loss][1]}, mean "
+             f"over the seeds it has. Time, {timed}, random weights of each run's shape. FLOPs: the study's (closed "
+             "form at the executed fractions it measured on the held-out windows).", "",
+             f"![{stem}.png]({stem}.png)", "",
              "| benchmark label | study run | seeds | student loss | FLOPs | prefill time | decode time (b1) | "
              "executed in the timed decode |",
              "|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "" if v is None else f"{v:.3f}"  # noqa: E731
     # The timed decode's threshold students run what they run on the benchmark's random weights and token stream:
     # a model that ran more than its budget there is timed above its cost.
-    decoded = timing["sections"].get(mode, {}).get("decode_b1", {}).get("executed_fraction", {})
+    decoded = sources["decode_b1"]["sections"][mode]["decode_b1"].get("executed_fraction", {}) \
+        if "decode_b1" in sources else {}
     for label, value in costs.items():
         fractions = decoded.get(label) or {}
         ran = f"{statistics.fmean(fractions.values()):.2f}" if fractions else ""
@@ -160,17 +197,25 @@ def markdown(study_dir: Path, timing_path: Path, timing: Dict, costs, losses, se
 def main(argv: Optional[List[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--study", type=Path, required=True, help="a study folder (its runs/*.json)")
-    parser.add_argument("--timing", type=Path, required=True, help="results.json of python -m benchmarks.compiled")
+    parser.add_argument("--timing", type=Path, nargs="+", required=True,
+                        help="results.json of python -m benchmarks.compiled (several: each workload from the last "
+                             "that times it)")
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
+    parser.add_argument("--loss", default="heldout", choices=sorted(LOSSES),
+                        help="which student loss: held-out validation windows or the test windows")
     args = parser.parse_args(argv)
-    timing = json.loads(args.timing.read_text())
-    if timing.get("shape") != "smollm2":
-        raise ValueError(f"{args.timing} times the {timing.get('shape')!r} shape; the study's runs are SmolLM2's")
-    if args.mode not in timing["sections"]:
-        raise ValueError(f"{args.timing} has no {args.mode} section (it has {sorted(timing['sections'])})")
-    costs = measured_costs(timing, args.mode)
+    timings = [json.loads(path.read_text()) for path in args.timing]
+    for path, timing in zip(args.timing, timings):
+        if timing.get("shape") != "smollm2":
+            raise ValueError(f"{path} times the {timing.get('shape')!r} shape; the study's runs are SmolLM2's")
+        if args.mode not in timing["sections"]:
+            raise ValueError(f"{path} has no {args.mode} section (it has {sorted(timing['sections'])})")
+    costs = measured_costs(timings, args.mode)
     names = {label: name for label, _, name in SMOLLM2_RECIPES}
-    points = study_points(args.study, [names.get(label, label) for label in costs])  # the run JSONs read once
+    points = study_points(args.study, [names.get(label, label) for label in costs], args.loss)  # JSONs read once
+    if not points:
+        raise ValueError(f"{args.study} has no {args.loss} student loss for any timed run "
+                         f"({', '.join(names.get(label, label) for label in costs)})")
     found = {label: points[names.get(label, label)] for label in costs if names.get(label, label) in points}
     losses = {label: loss for label, (loss, _, _) in found.items()}
     seeds = {label: n for label, (_, _, n) in found.items()}
@@ -178,11 +223,12 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         if flops is not None:
             costs[label] = {"flops": flops, **costs[label]}
     rows = verdicts(costs, losses)
-    plot(args.study / "time_frontier.png", costs, losses)
-    (args.study / "time_frontier.md").write_text(markdown(args.study, args.timing, timing, costs, losses, seeds, rows,
-                                                          args.mode))
-    print((args.study / "time_frontier.md").read_text())
-    return {"costs": costs, "losses": losses, "verdicts": rows}
+    stem = "time_frontier" if (args.mode, args.loss) == ("eager", "heldout") else f"time_frontier_{args.mode}_{args.loss}"
+    plot(args.study / f"{stem}.png", costs, losses, LOSSES[args.loss][1])
+    page = markdown(args.study, args.timing, timings, costs, losses, seeds, rows, args.mode, args.loss, stem)
+    (args.study / f"{stem}.md").write_text(page)
+    print(page)
+    return {"costs": costs, "losses": losses, "verdicts": rows, "page": args.study / f"{stem}.md"}
 
 
 if __name__ == "__main__":
