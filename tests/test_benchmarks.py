@@ -535,3 +535,23 @@ def test_chunked_decode_samples_continue_the_same_decode_as_one_pass():
     assert {label: len(t) for label, t in times.items()} == {"dense": 2, "stt_papers_50": 2}
     with pytest.raises(ValueError, match="must divide the 12 decode steps"):
         compiled.decode_times(decoders, rounds=1, chunk=5)
+
+
+def test_selected_attention_ways_agree_with_the_full_mask():
+    """benchmarks/selected_attention.py times three ways of the same attention; each must be that attention:
+    selected queries over every key at or before their position (here against one call with the full mask)."""
+    from benchmarks import selected_attention as sa
+
+    q, key, value, positions = sa.inputs(num_keys=256, num_queries=128, heads=4, kv_heads=2, head_dim=16, seed=3)
+    full_mask = torch.arange(256)[None, :] <= positions[:, None]
+    reference = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=full_mask[None, None],
+                                                                 enable_gqa=True)
+    static, exact = sa.static_bounds(128, 256), sa.exact_bounds(positions)
+    assert all(e <= s <= 256 for e, s in zip(exact, static)) and exact != static
+    for bounds in (static, exact):
+        torch.testing.assert_close(sa.chunked(q, key, value, positions, bounds), reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sa.flex(q, key, value, positions), reference, atol=1e-5, rtol=1e-5)
+    # A bound short of a chunk's last position drops keys it needs: the comparison would see it.
+    short = list(exact)
+    short[-1] -= 1
+    assert not torch.allclose(sa.chunked(q, key, value, positions, short), reference, atol=1e-5)
