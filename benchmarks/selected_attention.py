@@ -9,8 +9,9 @@ keys (``routed_block.query_chunks``); eager code reads the exact prefix from the
 that holds for every selection (the i-th of k ascending positions is at most T − k + i). This times, in interleaved
 rounds: the chunks with the static bounds (compiled, as a compiled layer runs them), the chunks with exact bounds
 (eager, as an eager layer runs them), ``flex_attention`` with a block mask built from the positions on the device
-(compiled; exact and without a host read), and dense causal attention over all T queries (compiled), the cost
-the routed layer's attention replaces.
+(compiled; exact and without a host read), the chunks with exact bounds read inside the graph as unbacked sizes
+(compiled with ``capture_scalar_outputs``: exact, one graph, no break), and dense causal attention over all T queries
+(compiled), the cost the routed layer's attention replaces.
 """
 
 import argparse
@@ -52,6 +53,20 @@ def exact_bounds(positions: torch.Tensor) -> List[int]:
     return [int(positions[chunk.stop - 1]) + 1 for chunk in _chunks(positions.shape[0])]
 
 
+def chunked_read_in_graph(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          positions: torch.Tensor) -> torch.Tensor:
+    """The chunks with exact bounds computed from ``positions`` and read as Python ints: eager, a host read;
+    compiled with ``capture_scalar_outputs``, unbacked sizes inside one graph (the checks bound them for the
+    compiler)."""
+    num_keys = key.shape[2]
+    ends = torch.tensor([chunk.stop - 1 for chunk in _chunks(q.shape[2])], device=positions.device)
+    bounds = (positions.index_select(0, ends) + 1).tolist()
+    for bound in bounds:
+        torch._check(bound >= 1)
+        torch._check(bound <= num_keys)
+    return chunked(q, key, value, positions, bounds)
+
+
 def flex(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The same attention through ``flex_attention``: blocks wholly above a query block's staircase are skipped."""
     def mask_mod(batch, head, query_index, key_index):
@@ -91,17 +106,20 @@ def main(argv=None) -> Dict[str, float]:
     static, exact = static_bounds(args.queries, args.keys), exact_bounds(positions)
     compiled_chunks = torch.compile(chunked, fullgraph=True)
     compiled_flex = torch.compile(flex, fullgraph=True)
+    compiled_read = torch.compile(chunked_read_in_graph, fullgraph=True)
     compiled_dense = torch.compile(
         lambda: F.scaled_dot_product_attention(dense_q, key, value, is_causal=True, enable_gqa=True), fullgraph=True)
     fns: Dict[str, Callable[[], torch.Tensor]] = {
         "chunks, static bounds (compiled)": lambda: compiled_chunks(q, key, value, positions, static),
         "chunks, exact bounds (eager)": lambda: chunked(q, key, value, positions, exact),
         "flex_attention, block mask (compiled)": lambda: compiled_flex(q, key, value, positions),
+        "chunks, exact bounds read in the graph (compiled)": lambda: compiled_read(q, key, value, positions),
         f"dense causal, all {args.keys} queries (compiled)": compiled_dense,
     }
-    with torch.inference_mode():
+    # Only the unbacked-size read needs the flag; dynamo reads it when it traces (the first call, below).
+    with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
         reference = chunked(q, key, value, positions, exact)
-        for name in list(fns)[:3]:
+        for name in list(fns)[:4]:
             error = (fns[name]() - reference).abs().max().item()
             if error > 1e-4:
                 raise AssertionError(f"{name} differs from the exact chunks by {error:.2e}")
