@@ -46,8 +46,8 @@ COSTS = (("flops", "forward FLOPs / dense (the study's)"),
 LOSSES = {"heldout": (METRIC["student loss"], "student held-out loss (the validation windows)"),
           "test": (field("test", "student_loss"), "student loss on the test windows (no choice read them)")}
 
-
-WORKLOADS = ("prefill", "decode_b1")
+#: The measured costs: the benchmark's workloads among ``COSTS``.
+WORKLOADS = tuple(cost for cost, _ in COSTS if cost != "flops")
 
 
 def workload_sources(timings: Sequence[Dict], mode: str) -> Dict[str, Dict]:
