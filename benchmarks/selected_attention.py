@@ -16,19 +16,19 @@ rounds: the chunks with the static bounds (compiled, as a compiled layer runs th
 
 import argparse
 import statistics
-import time
 from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-CHUNKS = 8
+from benchmarks.common import interleaved, set_threads
+from torchtune_dtf.modules.routed_block import query_chunks
 
 
 def _chunks(num_queries: int) -> List[range]:
-    size = num_queries // CHUNKS
-    return [range(start, start + size) for start in range(0, num_queries, size)]
+    """The routed layer's own chunks of ``num_queries`` time-ordered queries."""
+    return [range(start, end) for start, end in query_chunks(num_queries)]
 
 
 def chunked(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
@@ -100,7 +100,7 @@ def main(argv=None) -> Dict[str, float]:
     args = parser.parse_args(argv)
     if args.quick:
         args.keys, args.queries, args.rounds, args.calls = 256, 128, 2, 2
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     q, key, value, positions = inputs(args.keys, args.queries, args.heads, args.kv_heads, args.head_dim)
     dense_q = torch.randn(1, args.heads, args.keys, args.head_dim)
     static, exact = static_bounds(args.queries, args.keys), exact_bounds(positions)
@@ -123,16 +123,11 @@ def main(argv=None) -> Dict[str, float]:
             error = (fns[name]() - reference).abs().max().item()
             if error > 1e-4:
                 raise AssertionError(f"{name} differs from the exact chunks by {error:.2e}")
-        times: Dict[str, List[float]] = {name: [] for name in fns}
-        for fn in fns.values():
-            fn()
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    fn()
-                times[name].append((time.perf_counter() - start) / args.calls * 1e3)
-    medians = {name: statistics.median(values) for name, values in times.items()}
+        def repeated(fn):
+            return lambda: [fn() for _ in range(args.calls)]
+
+        times = interleaved({name: repeated(fn) for name, fn in fns.items()}, rounds=args.rounds, warmup=1)
+    medians = {name: statistics.median(values) / args.calls * 1e3 for name, values in times.items()}
     print(f"{args.queries} selected queries over {args.keys} keys, {args.heads}/{args.kv_heads} heads of "
           f"{args.head_dim}, {args.threads} threads, median of {args.rounds} rounds × {args.calls} calls:")
     for name, value in medians.items():
