@@ -10,8 +10,10 @@ that holds for every selection (the i-th of k ascending positions is at most T â
 rounds: the chunks with the static bounds (compiled, as a compiled layer runs them), the chunks with exact bounds
 (eager, as an eager layer runs them), ``flex_attention`` with a block mask built from the positions on the device
 (compiled; exact and without a host read), the chunks with exact bounds read inside the graph as unbacked sizes
-(compiled with ``capture_scalar_outputs``: exact, one graph, no break), and dense causal attention over all T queries
-(compiled), the cost the routed layer's attention replaces.
+(compiled with ``capture_scalar_outputs``: exact, one graph, no break), the routed layer's own operator
+(``routed_block.selected_attention_by_chunks``, compiled: exact bounds read inside an operator the graph does not
+trace, on the CPU), and dense causal attention over all T queries (compiled), the cost the routed layer's attention
+replaces.
 """
 
 import argparse
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from benchmarks.common import interleaved, set_threads
-from torchtune_dtf.modules.routed_block import query_chunks
+from torchtune_dtf.modules.routed_block import query_chunks, selected_attention_by_chunks
 
 
 def _chunks(num_queries: int) -> List[range]:
@@ -67,6 +69,17 @@ def chunked_read_in_graph(q: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return chunked(q, key, value, positions, bounds)
 
 
+def layer_operator(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                   static: List[int]) -> torch.Tensor:
+    """The routed layer's operator over the same chunks, given what the layer's graph gives it: the additive mask
+    over all keys and each chunk's exact number of keys (on the device; the CPU kernel reads it)."""
+    bias = torch.zeros(q.shape[2], key.shape[2]).masked_fill(torch.arange(key.shape[2])[None, :] > positions[:, None],
+                                                             float("-inf"))
+    ends = [chunk.stop for chunk in _chunks(q.shape[2])]
+    bounds = positions.index_select(0, torch.tensor([end - 1 for end in ends])) + 1
+    return selected_attention_by_chunks(q, key, value, bias[None, None], bounds, ends, static, True)
+
+
 def flex(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The same attention through ``flex_attention``: blocks wholly above a query block's staircase are skipped."""
     def mask_mod(batch, head, query_index, key_index):
@@ -107,6 +120,7 @@ def main(argv=None) -> Dict[str, float]:
     compiled_chunks = torch.compile(chunked, fullgraph=True)
     compiled_flex = torch.compile(flex, fullgraph=True)
     compiled_read = torch.compile(chunked_read_in_graph, fullgraph=True)
+    compiled_operator = torch.compile(layer_operator, fullgraph=True)
     compiled_dense = torch.compile(
         lambda: F.scaled_dot_product_attention(dense_q, key, value, is_causal=True, enable_gqa=True), fullgraph=True)
     fns: Dict[str, Callable[[], torch.Tensor]] = {
@@ -114,12 +128,14 @@ def main(argv=None) -> Dict[str, float]:
         "chunks, exact bounds (eager)": lambda: chunked(q, key, value, positions, exact),
         "flex_attention, block mask (compiled)": lambda: compiled_flex(q, key, value, positions),
         "chunks, exact bounds read in the graph (compiled)": lambda: compiled_read(q, key, value, positions),
+        "the layer's operator, exact bounds read inside it (compiled)":
+            lambda: compiled_operator(q, key, value, positions, static),
         f"dense causal, all {args.keys} queries (compiled)": compiled_dense,
     }
     # Only the unbacked-size read needs the flag; dynamo reads it when it traces (the first call, below).
     with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
         reference = chunked(q, key, value, positions, exact)
-        for name in list(fns)[:4]:
+        for name in list(fns)[:5]:
             error = (fns[name]() - reference).abs().max().item()
             if error > 1e-4:
                 raise AssertionError(f"{name} differs from the exact chunks by {error:.2e}")

@@ -552,6 +552,7 @@ def test_selected_attention_ways_agree_with_the_full_mask():
         torch.testing.assert_close(sa.chunked(q, key, value, positions, bounds), reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sa.flex(q, key, value, positions), reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sa.chunked_read_in_graph(q, key, value, positions), reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sa.layer_operator(q, key, value, positions, static), reference, atol=1e-5, rtol=1e-5)
     # A bound short of a chunk's last position drops keys it needs: the comparison would see it.
     short = list(exact)
     short[-1] -= 1

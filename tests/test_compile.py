@@ -323,3 +323,39 @@ def test_inductor_compiled_stt_matches_eager(shape, student, fresh_dynamo):
     compiled = compile_layers(build("stt", shape, **overrides), backend="inductor")
     tokens = torch.randint(0, VOCAB, (BATCH, 24), generator=torch.Generator().manual_seed(3))
     assert_same_run(eager, compiled, tokens, atol=1e-4)
+
+
+def test_compiled_inference_reads_exact_key_bounds_inside_the_attention_operator(fresh_dynamo, small_query_chunks, monkeypatch):
+    """A compiled layer whose skipped tokens keep their K/V cannot read the selected positions in its graph, so its
+    chunks of queries would attend over the worst case's keys. Inference on the CPU reads the exact bounds inside the
+    opaque attention operator instead: whole graph (``fullgraph=True``), the eager forward's logits, and bounds that
+    stop short of the keys the worst case would take. Training keeps the static bounds (no read in its graph)."""
+    from torchtune_dtf.modules import routed_block
+
+    reads, attend = [], routed_block._biased_attention_by_chunks
+
+    def recording(q, key, value, attn_bias, chunk_ends, key_bounds, enable_gqa):
+        reads.append((list(key_bounds), key.shape[2]))
+        return attend(q, key, value, attn_bias, chunk_ends, key_bounds, enable_gqa)
+
+    monkeypatch.setattr(routed_block, "_biased_attention_by_chunks", recording)
+    overrides = dict(student_routing_mode="topk", student_threshold=None, allow_noncausal_student_topk=True)
+    eager = build("stt", "forecast", **overrides)
+    compiled = compile_layers(build("stt", "forecast", **overrides), backend="aot_eager")
+    assert routes_with_static_shapes(compiled)
+    tokens = torch.randint(0, VOCAB, (BATCH, MAX_LEN), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = eager(tokens)
+        reads.clear()
+        got = compiled(tokens)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    routed = [layer for layer in compiled.layers if isinstance(layer, RoutedSelfAttentionLayer)]
+    assert len(reads) == len(routed), reads  # one call of the operator per routed layer
+    for bounds, num_keys in reads:
+        # 16 of 32 selected, chunks of 4: the worst case bounds chunk j by 16 + 4(j + 1) keys.
+        worst = [num_keys - 16 + 4 * (j + 1) for j in range(len(bounds))]
+        assert all(b <= w for b, w in zip(bounds, worst)) and bounds != worst, (bounds, worst)
+    reads.clear()
+    compiled.train()
+    compiled(tokens, routing=RoutingContext(mode="student")).sum().backward()
+    assert not reads, "a training graph called the inference operator"

@@ -15,7 +15,15 @@ from tests.conftest import MOD_ROUTING, ROUTED_VARIANTS, SURPRISE_ROUTING, VOCAB
 from torchtune_dtf.data.collate import padded_collate_packed_dense
 from torchtune_dtf.models import validate_routing
 from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
-from torchtune_dtf.modules.selection import segment_topk_selection, sequence_bounds, window_topk_mask
+from torchtune_dtf.modules.selection import (
+    mask_selection,
+    row_selection,
+    scatter_updates,
+    segment_topk_selection,
+    sequence_bounds,
+    topk_selection,
+    window_topk_mask,
+)
 from torchtune_dtf.modules.layers import sequence_starts
 from torchtune_dtf.modules.surprise import causal_moving_average, gate_rank_score, static_surprise
 from torchtune_dtf.training.schedules import ScheduledSampling
@@ -271,6 +279,38 @@ def test_segment_topk_gives_each_packed_sequence_its_own_budget():
     scores = torch.tensor([[0.0, 5.0, 1.0, 9.0, 2.0, 2.0, 0.0, 3.0, 4.0]])
     selection = segment_topk_selection(scores, starts, 0.5)  # ⌊1.5⌋ = 1, ⌊2⌋ = 2, ⌊1⌋ = 1
     assert torch.nonzero(selection.mask[0]).squeeze(-1).tolist() == [1, 3, 4, 8]  # the 2.0 tie: earlier wins
+
+
+def _added_token_by_token(x, selection, update):
+    """The reference of :func:`scatter_updates`: the k-th real slot of a row goes to its k-th selected token."""
+    out = x.clone()
+    for row in range(x.shape[0]):
+        for slot in range(selection.positions.shape[1]):
+            if selection.valid is None or selection.valid[row, slot]:
+                out[row, selection.positions[row, slot]] += update[row, slot]
+    return out
+
+
+def test_updates_land_on_the_selected_tokens_once_and_carry_their_gradient():
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.randn(3, 10, generator=gen)
+    ragged = scores > 0.3  # rows select different numbers of tokens: padded slots must add nothing
+    ragged[1] = False  # and a row may select none
+    for selection in (topk_selection(scores, 4), mask_selection(ragged)):
+        x = torch.randn(3, 10, 5, generator=gen, requires_grad=True)
+        update = torch.randn(3, selection.num_selected, 5, generator=gen, requires_grad=True)
+        out = scatter_updates(x, selection, update)
+        expected = _added_token_by_token(x, selection, update)
+        assert torch.equal(out, expected)
+        weights = torch.randn(out.shape, generator=gen)
+        grads = torch.autograd.grad((out * weights).sum(), (x, update))
+        expected_grads = torch.autograd.grad((expected * weights).sum(), (x, update))
+        for got, want in zip(grads, expected_grads):
+            assert torch.equal(got, want)
+    # A decode step of some rows: x holds the running rows only, the selection's mask the whole batch.
+    steps = row_selection(torch.tensor([[True], [False], [True]]), 2)
+    x_rows, update = torch.randn(2, 1, 5, generator=gen), torch.randn(2, 1, 5, generator=gen)
+    assert torch.equal(scatter_updates(x_rows, steps, update), x_rows + update)
 
 
 # --------------------------------------------------------------------- R4: masks, padding, budgets

@@ -21,7 +21,10 @@ the whole score rectangle, masked half included. Instead the queries, in time or
 (:func:`chunk_key_bounds`): the staircase under the causal diagonal, in steps, not the rectangle.
 
 Shapes: with a top-k selection every shape here is static (k slots per row, or ⌊γ·b⌋ rows of a decode step) and
-nothing is read back from the device, so ``torch.compile(fullgraph=True)`` captures the whole layer.
+nothing is read back from the device, so ``torch.compile(fullgraph=True)`` captures the whole layer. A compiled
+graph cannot know the chunks' exact key bounds; in inference it hands the chunks to one opaque operator
+(:func:`selected_attention_by_chunks`), whose CPU kernel reads them (host memory: nothing to wait for) and whose
+kernel on other devices keeps a bound that holds for every selection.
 """
 
 from typing import Callable, List, Optional, Tuple
@@ -116,7 +119,8 @@ def chunk_key_bounds(
     padded, only remove keys from that), so a chunk needs the keys up to the largest ``last_key`` of its real
     queries, over all rows. Eager code reads that from the device (one host read for all chunks); compiled code
     cannot read without a graph break, so it takes ``static_bounds``, a bound that holds for every selection
-    of this shape, or all keys when there is none.
+    of this shape, or all keys when there is none (and, where it may, reads the exact bounds inside an opaque
+    operator instead: :func:`selected_attention_by_chunks`).
 
     Args:
         chunks: from :func:`query_chunks`.
@@ -132,14 +136,122 @@ def chunk_key_bounds(
         return [num_keys]
     if torch.compiler.is_compiling():
         return static_bounds if static_bounds is not None else [num_keys] * len(chunks)
-    if valid is not None:
-        last_key = torch.where(valid, last_key, torch.zeros_like(last_key))
+    return _read_key_bounds([end for _, end in chunks], _real_last_keys(last_key, valid), num_keys)
+
+
+def _real_last_keys(last_key: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """``last_key [r, k]`` with padding queries' entries at key 0 (their keys do not matter)."""
+    return last_key if valid is None else torch.where(valid, last_key, torch.zeros_like(last_key))
+
+
+def _exact_key_bounds(chunk_ends: List[int], last_key: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[C]`` per chunk of queries the number of keys it needs, in ``[1, num_keys]``, on ``last_key``'s device."""
     # Real queries are ascending and come first in each row, so a running maximum at a chunk's last query is
     # the chunk's largest real key (or an earlier one, for a chunk of padding only).
     running = torch.cummax(last_key, dim=1).values
-    ends = torch.tensor([end - 1 for _, end in chunks], device=last_key.device)
-    bounds = (running.index_select(1, ends).amax(dim=0) + 1).tolist()
-    return [min(max(bound, 1), num_keys) for bound in bounds]
+    ends = torch.tensor([end - 1 for end in chunk_ends], device=last_key.device)
+    return (running.index_select(1, ends).amax(dim=0) + 1).clamp(1, num_keys)
+
+
+def _read_key_bounds(chunk_ends: List[int], last_key: torch.Tensor, num_keys: int) -> List[int]:
+    """The exact per-chunk key counts, read from the device in one transfer."""
+    return _exact_key_bounds(chunk_ends, last_key, num_keys).tolist()
+
+
+def _attention_by_chunks(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    chunks: List[Tuple[int, int]],
+    key_bounds: List[int],
+    dropout_p: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """``q [r, n_h, k, h_d]``, chunk by chunk, each over its prefix of ``key``/``value [r, n_kv, n, h_d]``
+    through ``attn_mask [r, 1, k, n]`` (or causally) → ``[r, n_h, k, h_d]``."""
+    # Neighbouring chunks over the same keys (no bound known, or equal bounds) are one call.
+    merged: List[Tuple[int, int, int]] = []
+    for (start, end), num_keys in zip(chunks, key_bounds):
+        if merged and merged[-1][2] == num_keys:
+            merged[-1] = (merged[-1][0], end, num_keys)
+        else:
+            merged.append((start, end, num_keys))
+    outputs = []
+    for start, end, num_keys in merged:
+        chunk_mask = None
+        if attn_mask is not None:
+            chunk_mask = attn_mask[:, :, start:end, :num_keys]
+            # A padding query may have no key at all; give it every key so softmax stays finite (its output
+            # is discarded on scatter).
+            chunk_mask = chunk_mask | ~chunk_mask.any(dim=-1, keepdim=True)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start:end],
+                key[:, :, :num_keys],
+                value[:, :, :num_keys],
+                attn_mask=chunk_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                enable_gqa=enable_gqa,
+            )
+        )
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+@torch.library.custom_op("torchtune_dtf::selected_attention_by_chunks", mutates_args=())
+def selected_attention_by_chunks(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor,
+    key_bounds: torch.Tensor,
+    chunk_ends: List[int],
+    static_bounds: List[int],
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """Inference attention of selected queries by chunks, as one operator a compiled graph calls without looking
+    inside: on the CPU each chunk attends over its exact number of keys, read from ``key_bounds [C]``; on any other
+    device over ``static_bounds``.
+
+    A graph cannot read the selected positions without breaking, so compiled code bounds each chunk's keys by
+    the worst case over all selections (:func:`chunk_key_bounds`), which for a b1 × 1024 prefill at γ = ½ with
+    every token's K/V kept does ≈ 1.3× the exact chunks' attention work (``benchmarks/selected_attention.py``).
+    Inside an operator the graph treats as opaque, the read costs nothing on the CPU, where there is no device
+    to wait for; on a GPU it would be a synchronisation per layer and would keep the step out of a CUDA graph,
+    so this kernel (the default, for every device but the CPU) keeps the static bounds.
+
+    Args:
+        q, key, value: as :func:`_attention_by_chunks`.
+        attn_bias (torch.Tensor): ``[r, 1, k, n]`` additive mask in ``q``'s dtype (0 or −∞), every row with a key.
+        key_bounds (torch.Tensor): ``[C]`` per chunk the exact number of keys (:func:`_exact_key_bounds`).
+        chunk_ends (List[int]): per chunk its end along the queries (chunks are contiguous from 0).
+        static_bounds (List[int]): per chunk, a bound that holds for every selection of this shape.
+        enable_gqa (bool): as in ``scaled_dot_product_attention``.
+    """
+    return _biased_attention_by_chunks(q, key, value, attn_bias, chunk_ends, static_bounds, enable_gqa)
+
+
+@selected_attention_by_chunks.register_kernel("cpu")
+def _selected_attention_by_chunks_cpu(q, key, value, attn_bias, key_bounds, chunk_ends, static_bounds, enable_gqa):
+    return _biased_attention_by_chunks(q, key, value, attn_bias, chunk_ends, key_bounds.tolist(), enable_gqa)
+
+
+@selected_attention_by_chunks.register_fake
+def _(q, key, value, attn_bias, key_bounds, chunk_ends, static_bounds, enable_gqa):
+    return q.new_empty(*q.shape[:-1], value.shape[-1])
+
+
+def _biased_attention_by_chunks(q, key, value, attn_bias, chunk_ends, key_bounds, enable_gqa) -> torch.Tensor:
+    outputs, start = [], 0
+    for end, num_keys in zip(chunk_ends, key_bounds):
+        outputs.append(F.scaled_dot_product_attention(
+            q[:, :, start:end], key[:, :, :num_keys], value[:, :, :num_keys],
+            attn_mask=attn_bias[:, :, start:end, :num_keys], enable_gqa=enable_gqa,
+        ))
+        start = end
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
 def routed_block_forward(
@@ -196,7 +308,7 @@ def routed_block_forward(
     q = _project_queries(layer, h, query_positions)
     key, value = _project_keys_values(layer, h, query_positions)
 
-    attn_mask, is_causal = None, False
+    attn_mask, is_causal, last_key = None, False, None
     chunks = query_chunks(query_index.shape[1])
     if cache is not None:
         query_slots = cache.layout_slots(query_index)
@@ -205,6 +317,7 @@ def routed_block_forward(
         key, value, key_slots, key_valid = cache.entries(rows)
         attn_mask = _attention_mask(mask, query_index, query_slots, key_slots, key_valid)
         key_bounds = chunk_key_bounds(chunks, last_entry, valid, key.shape[2], static_bounds=None)
+        last_key = _real_last_keys(last_entry, valid)
     elif mask is None and valid is None:
         is_causal = True  # gathered in time order, so causality among them is the lower triangle
         chunks, key_bounds = [(0, query_index.shape[1])], [query_index.shape[1]]
@@ -214,7 +327,7 @@ def routed_block_forward(
 
     gate_rows = gate if (rows is None or gate is None) else gate[rows]
     out_rows = _attend_and_update(
-        layer, x_rows, xs, q, key, value, selection, gate_rows, attn_mask, is_causal, chunks, key_bounds
+        layer, x_rows, xs, q, key, value, selection, gate_rows, attn_mask, is_causal, chunks, key_bounds, last_key
     )
     if rows is None:
         return out_rows
@@ -350,7 +463,8 @@ def _forward_with_all_keys(
         static_bounds = [num_keys - num_queries + end for _, end in chunks]
     key_bounds = chunk_key_bounds(chunks, query_slots, selection.valid, num_keys, static_bounds)
     out_rows = _attend_and_update(
-        layer, x_rows, xs, q, key, value, selection, gate, attn_mask, False, chunks, key_bounds
+        layer, x_rows, xs, q, key, value, selection, gate, attn_mask, False, chunks, key_bounds,
+        _real_last_keys(query_slots, selection.valid),
     )
     return out_rows if rows is None else x.index_copy(0, rows, out_rows)
 
@@ -368,37 +482,34 @@ def _attend_and_update(
     is_causal: bool,
     chunks: List[Tuple[int, int]],
     key_bounds: List[int],
+    last_key: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of the selected queries (chunk by chunk, each over its prefix of the keys), the MLP, and the
-    gated update added back into ``x [b, s, d]``."""
+    gated update added back into ``x [b, s, d]``. ``last_key [r, k]``: each query's last key (padding at 0),
+    when the chunks' bounds depend on the selection; compiled inference then reads them inside
+    :func:`selected_attention_by_chunks`."""
     attn = layer.attn
-    # Neighbouring chunks over the same keys (no bound known, or equal bounds) are one call.
-    merged: List[Tuple[int, int, int]] = []
-    for (start, end), num_keys in zip(chunks, key_bounds):
-        if merged and merged[-1][2] == num_keys:
-            merged[-1] = (merged[-1][0], end, num_keys)
-        else:
-            merged.append((start, end, num_keys))
-    outputs = []
-    for start, end, num_keys in merged:
-        chunk_mask = None
-        if attn_mask is not None:
-            chunk_mask = attn_mask[:, :, start:end, :num_keys]
-            # A padding query may have no key at all; give it every key so softmax stays finite (its output
-            # is discarded on scatter).
-            chunk_mask = chunk_mask | ~chunk_mask.any(dim=-1, keepdim=True)
-        outputs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, start:end],
-                key[:, :, :num_keys],
-                value[:, :, :num_keys],
-                attn_mask=chunk_mask,
-                dropout_p=attn.attn_dropout if attn.training else 0.0,
-                is_causal=is_causal,
-                enable_gqa=attn.num_heads != attn.num_kv_heads,
-            )
+    enable_gqa = attn.num_heads != attn.num_kv_heads
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
+    if (
+        last_key is not None and attn_mask is not None and len(chunks) > 1
+        and torch.compiler.is_compiling() and not needs_grad
+    ):
+        # The mask as the kernel takes it, made once in the graph (fused) rather than per chunk in the operator:
+        # additive, and a key in every row of every chunk. A real query sees its own key, inside its chunk's
+        # bound; a padding query (its output is discarded) or a row without any key is given every key.
+        allowed = attn_mask | ~attn_mask.any(dim=-1, keepdim=True)
+        if selection.valid is not None:
+            allowed = allowed | ~selection.valid[:, None, :, None]
+        attn_bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+        chunk_ends = [end for _, end in chunks]
+        out = torch.ops.torchtune_dtf.selected_attention_by_chunks(
+            q, key, value, attn_bias, _exact_key_bounds(chunk_ends, last_key, key.shape[2]), chunk_ends,
+            key_bounds, enable_gqa,
         )
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    else:
+        dropout_p = attn.attn_dropout if attn.training else 0.0
+        out = _attention_by_chunks(q, key, value, attn_mask, is_causal, chunks, key_bounds, dropout_p, enable_gqa)
     out = out.transpose(1, 2).reshape(xs.shape[0], xs.shape[1], -1)
     attn_update = layer.sa_scale(attn.output_proj(out))
     h = xs + attn_update
