@@ -332,13 +332,14 @@ def test_compiled_inference_reads_exact_key_bounds_inside_the_attention_operator
     stop short of the keys the worst case would take. Training keeps the static bounds (no read in its graph)."""
     from torchtune_dtf.modules import routed_block
 
-    reads, attend = [], routed_block._biased_attention_by_chunks
+    reads, attend = [], routed_block._attention_by_chunks
 
-    def recording(q, key, value, attn_bias, chunk_ends, key_bounds, enable_gqa):
-        reads.append((list(key_bounds), key.shape[2]))
-        return attend(q, key, value, attn_bias, chunk_ends, key_bounds, enable_gqa)
+    def recording(q, key, value, attn_mask, is_causal, chunks, key_bounds, dropout_p, enable_gqa):
+        if attn_mask is not None and attn_mask.is_floating_point():  # the operator's additive mask
+            reads.append((list(key_bounds), key.shape[2]))
+        return attend(q, key, value, attn_mask, is_causal, chunks, key_bounds, dropout_p, enable_gqa)
 
-    monkeypatch.setattr(routed_block, "_biased_attention_by_chunks", recording)
+    monkeypatch.setattr(routed_block, "_attention_by_chunks", recording)
     overrides = dict(student_routing_mode="topk", student_threshold=None, allow_noncausal_student_topk=True)
     eager = build("stt", "forecast", **overrides)
     compiled = compile_layers(build("stt", "forecast", **overrides), backend="aot_eager")

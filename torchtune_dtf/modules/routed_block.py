@@ -170,7 +170,8 @@ def _attention_by_chunks(
     enable_gqa: bool,
 ) -> torch.Tensor:
     """``q [r, n_h, k, h_d]``, chunk by chunk, each over its prefix of ``key``/``value [r, n_kv, n, h_d]``
-    through ``attn_mask [r, 1, k, n]`` (or causally) → ``[r, n_h, k, h_d]``."""
+    through ``attn_mask [r, 1, k, n]`` (or causally) → ``[r, n_h, k, h_d]``. A boolean mask is given a key in every
+    row of each chunk here; an additive one comes with a key in every row already."""
     # Neighbouring chunks over the same keys (no bound known, or equal bounds) are one call.
     merged: List[Tuple[int, int, int]] = []
     for (start, end), num_keys in zip(chunks, key_bounds):
@@ -183,9 +184,10 @@ def _attention_by_chunks(
         chunk_mask = None
         if attn_mask is not None:
             chunk_mask = attn_mask[:, :, start:end, :num_keys]
-            # A padding query may have no key at all; give it every key so softmax stays finite (its output
-            # is discarded on scatter).
-            chunk_mask = chunk_mask | ~chunk_mask.any(dim=-1, keepdim=True)
+            if chunk_mask.dtype == torch.bool:
+                # A padding query may have no key at all; give it every key so softmax stays finite (its output
+                # is discarded on scatter).
+                chunk_mask = chunk_mask | ~chunk_mask.any(dim=-1, keepdim=True)
         outputs.append(
             F.scaled_dot_product_attention(
                 q[:, :, start:end],
@@ -230,28 +232,19 @@ def selected_attention_by_chunks(
         static_bounds (List[int]): per chunk, a bound that holds for every selection of this shape.
         enable_gqa (bool): as in ``scaled_dot_product_attention``.
     """
-    return _biased_attention_by_chunks(q, key, value, attn_bias, chunk_ends, static_bounds, enable_gqa)
+    chunks = list(zip([0] + chunk_ends[:-1], chunk_ends))
+    return _attention_by_chunks(q, key, value, attn_bias, False, chunks, static_bounds, 0.0, enable_gqa)
 
 
 @selected_attention_by_chunks.register_kernel("cpu")
 def _selected_attention_by_chunks_cpu(q, key, value, attn_bias, key_bounds, chunk_ends, static_bounds, enable_gqa):
-    return _biased_attention_by_chunks(q, key, value, attn_bias, chunk_ends, key_bounds.tolist(), enable_gqa)
+    chunks = list(zip([0] + chunk_ends[:-1], chunk_ends))
+    return _attention_by_chunks(q, key, value, attn_bias, False, chunks, key_bounds.tolist(), 0.0, enable_gqa)
 
 
 @selected_attention_by_chunks.register_fake
 def _(q, key, value, attn_bias, key_bounds, chunk_ends, static_bounds, enable_gqa):
     return q.new_empty(*q.shape[:-1], value.shape[-1])
-
-
-def _biased_attention_by_chunks(q, key, value, attn_bias, chunk_ends, key_bounds, enable_gqa) -> torch.Tensor:
-    outputs, start = [], 0
-    for end, num_keys in zip(chunk_ends, key_bounds):
-        outputs.append(F.scaled_dot_product_attention(
-            q[:, :, start:end], key[:, :, :num_keys], value[:, :, :num_keys],
-            attn_mask=attn_bias[:, :, start:end, :num_keys], enable_gqa=enable_gqa,
-        ))
-        start = end
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
 def routed_block_forward(
