@@ -360,3 +360,35 @@ def test_compiled_inference_reads_exact_key_bounds_inside_the_attention_operator
     compiled.train()
     compiled(tokens, routing=RoutingContext(mode="student")).sum().backward()
     assert not reads, "a training graph called the inference operator"
+
+
+def test_attention_operator_off_the_cpu_gets_no_counts_and_keeps_the_static_bounds():
+    """Only the operator's CPU kernel reads exact key counts; a graph on any other device hands it an empty tensor
+    (no counts computed for nobody) and its default kernel attends over the static worst-case bounds. Both kernels
+    give the masked attention a full computation gives."""
+    from torchtune_dtf.modules import routed_block
+
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, selected, num_keys, head_dim = 2, 4, 2, 8, 16, 8
+    q = torch.randn(rows, heads, selected, head_dim, generator=gen)
+    key = torch.randn(rows, kv_heads, num_keys, head_dim, generator=gen)
+    value = torch.randn(rows, kv_heads, num_keys, head_dim, generator=gen)
+    # Each selected query's own position (its last key), ascending, 8 of 16 per row, not the first 8.
+    last_key = torch.stack([torch.randperm(num_keys, generator=gen)[:selected].sort().values for _ in range(rows)])
+    allowed = torch.arange(num_keys)[None, None, None, :] <= last_key[:, None, :, None]
+    attn_bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    chunk_ends = [2, 4, 6, 8]
+    static_bounds = [num_keys - selected + end for end in chunk_ends]
+    exact = routed_block._exact_key_bounds(chunk_ends, last_key, num_keys)
+    assert exact.tolist() != static_bounds
+
+    assert torch.equal(routed_block._operator_key_bounds(chunk_ends, last_key, num_keys), exact)
+    assert routed_block._operator_key_bounds(chunk_ends, last_key.to("meta"), num_keys).numel() == 0
+
+    reference = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=allowed, enable_gqa=True)
+    on_cpu = torch.ops.torchtune_dtf.selected_attention_by_chunks(
+        q, key, value, attn_bias, exact, chunk_ends, static_bounds, True)
+    elsewhere = routed_block.selected_attention_by_chunks._init_fn(  # the default kernel, as a GPU runs it
+        q, key, value, attn_bias, last_key.new_empty(0), chunk_ends, static_bounds, True)
+    torch.testing.assert_close(on_cpu, reference)
+    torch.testing.assert_close(elsewhere, reference)

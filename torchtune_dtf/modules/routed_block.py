@@ -153,6 +153,16 @@ def _exact_key_bounds(chunk_ends: List[int], last_key: torch.Tensor, num_keys: i
     return (running.index_select(1, ends).amax(dim=0) + 1).clamp(1, num_keys)
 
 
+def _operator_key_bounds(chunk_ends: List[int], last_key: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """What :func:`selected_attention_by_chunks` is given as ``key_bounds``: the exact counts on the CPU, whose
+    kernel reads them, and an empty tensor elsewhere, whose kernel keeps the static bounds, so a GPU graph does
+    not compute counts nobody reads. (A traced graph knows its tensors' device, so this costs no guard beyond
+    the device's.)"""
+    if last_key.device.type == "cpu":
+        return _exact_key_bounds(chunk_ends, last_key, num_keys)
+    return last_key.new_empty(0)
+
+
 def _read_key_bounds(chunk_ends: List[int], last_key: torch.Tensor, num_keys: int) -> List[int]:
     """The exact per-chunk key counts, read from the device in one transfer."""
     return _exact_key_bounds(chunk_ends, last_key, num_keys).tolist()
@@ -227,7 +237,8 @@ def selected_attention_by_chunks(
     Args:
         q, key, value: as :func:`_attention_by_chunks`.
         attn_bias (torch.Tensor): ``[r, 1, k, n]`` additive mask in ``q``'s dtype (0 or −∞), every row with a key.
-        key_bounds (torch.Tensor): ``[C]`` per chunk the exact number of keys (:func:`_exact_key_bounds`).
+        key_bounds (torch.Tensor): ``[C]`` per chunk the exact number of keys (:func:`_exact_key_bounds`) on the
+            CPU; empty on other devices, whose kernel does not read it (:func:`_operator_key_bounds`).
         chunk_ends (List[int]): per chunk its end along the queries (chunks are contiguous from 0).
         static_bounds (List[int]): per chunk, a bound that holds for every selection of this shape.
         enable_gqa (bool): as in ``scaled_dot_product_attention``.
@@ -497,7 +508,7 @@ def _attend_and_update(
         attn_bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
         chunk_ends = [end for _, end in chunks]
         out = torch.ops.torchtune_dtf.selected_attention_by_chunks(
-            q, key, value, attn_bias, _exact_key_bounds(chunk_ends, last_key, key.shape[2]), chunk_ends,
+            q, key, value, attn_bias, _operator_key_bounds(chunk_ends, last_key, key.shape[2]), chunk_ends,
             key_bounds, enable_gqa,
         )
     else:
