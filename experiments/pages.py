@@ -15,8 +15,9 @@ import statistics
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from experiments.plots import TITLES, claims_plot, dynamic_runs, make_plots, surprise_runs
+from experiments.plots import GAP_KEY, TITLES, claims_plot, dynamic_runs, gaps_plot, make_plots, surprise_runs
 from experiments.results import (METRIC, METRICS, Results, layer_mean_curve, layer_values, load_results, mean_curve,
+                                 paired_curve_difference,
                                  unexplained_update_share)
 from experiments.spec import run_id
 from experiments.stats import finite, paired_difference, seed_window_bootstrap, slope
@@ -172,6 +173,34 @@ def paired_section(base: str, order: List[str], runs: Results) -> List[str]:
     return lines
 
 
+def gaps_section(out_dir: Path, order: List[str], runs: Results, baselines: List[str]) -> List[str]:
+    """Each run's validation loss minus each of ``baselines`` (the study's ``gaps``) at every validation step, paired
+    by seed, as tables and as ``gaps.png``: whether a gap closes or widens with training. Empty when no run shares
+    a step with a baseline."""
+    plot = gaps_plot(out_dir, order, runs, baselines)
+    if plot is None:
+        return []
+    lines = ["## Gaps during training", "",
+             f"Validation loss (`{GAP_KEY}`: the student, on the validation works) of each run minus the baseline's at "
+             "the same optimizer step, mean over the seeds both have (n). The finished runs' test-window differences "
+             "are the tables above; these show how each gap moved while training.", ""]
+    for base in baselines:
+        rows = [(n, paired_curve_difference(runs[n], runs.get(base, []), GAP_KEY)) for n in order
+                if n != base and runs.get(n)]
+        rows = [(n, c) for n, c in rows if c[0]]
+        if not rows:
+            continue
+        steps = sorted({s for _, c in rows for s in c[0]})
+        lines += [f"### against `{base}`", "", "| run | " + " | ".join(f"step {s}" for s in steps) + " |",
+                  "|" + "---|" * (1 + len(steps))]
+        for n, (run_steps, diffs, seeds) in rows:
+            cell = {s: f"{d:+.3f} ({k})" for s, d, k in zip(run_steps, diffs, seeds)}
+            lines.append(f"| `{n}` | " + " | ".join(cell.get(s, "–") for s in steps) + " |")
+        lines.append("")
+    lines += [f"![{plot}]({plot})", ""]
+    return lines
+
+
 def claims_section(names: List[str], runs: Results, plotted: Optional[List[str]] = None) -> List[str]:
     """The papers' claims table: per SDT/STT run its predictor loss over training, the held-out share of the update
     its predictor leaves unexplained, the CE/CU shares of its teacher's choices early → late, its agreement; and
@@ -291,6 +320,7 @@ def aggregate(out_dir: Path) -> Path:
     for plot in plots:
         lines += [f"### {TITLES[plot]}", "", f"![{plot}]({plot})", ""]
     names = [n for n in order if runs.get(n)]
+    lines += gaps_section(out_dir, order, runs, list(spec.get("gaps") or []))
     claims_plot(out_dir, names, runs, spec.get("claims_runs"))
     lines += claims_section(names, runs, spec.get("claims_runs"))
     lines += ["## Run files", ""]

@@ -71,6 +71,31 @@ def mean_curve(results: List[Dict[str, Any]], key: str) -> Tuple[List[int], List
     return steps, [statistics.fmean(by_step[s]) for s in steps]
 
 
+def series_by_step(result: Dict[str, Any], key: str) -> Dict[int, float]:
+    """One run JSON's training-log series ``key`` as ``{step: value}`` (logged steps only)."""
+    curves = result.get("curves") or {}
+    values = (curves.get("series") or {}).get(key) or []
+    return {step: value for step, value in zip(curves.get("steps") or [], values) if value is not None}
+
+
+def paired_curve_difference(results: List[Dict[str, Any]], baseline: List[Dict[str, Any]],
+                            key: str) -> Tuple[List[int], List[float], List[int]]:
+    """Per step that a run and a baseline both logged ``key`` on the same seed: the mean over those seeds of
+    run − baseline, and how many seeds it averages (``(steps, differences, seeds)``). Paired by seed, as the
+    tables are, so a step's difference compares the same data order and initialisation."""
+    base_by_seed = {r["seed"]: series_by_step(r, key) for r in baseline}
+    by_step: Dict[int, List[float]] = {}
+    for r in results:
+        base = base_by_seed.get(r["seed"])
+        if base is None:
+            continue
+        for step, value in series_by_step(r, key).items():
+            if step in base:
+                by_step.setdefault(step, []).append(value - base[step])
+    steps = sorted(by_step)
+    return steps, [statistics.fmean(by_step[s]) for s in steps], [len(by_step[s]) for s in steps]
+
+
 def layer_mean_curve(results: List[Dict[str, Any]], metric: str,
                      divided_by: Optional[str] = None) -> Tuple[List[int], List[float]]:
     """Per step, the mean over routed layers (then over seeds) of ``routing/layer_i/<metric>``, or of its ratio

@@ -24,6 +24,8 @@ Study file (YAML)
     baselines: [dense]                                 # run names every other run is paired against
     claims_runs: [stt_papers]                          # optional: the runs claims.png draws (default: every SDT/STT
                                                        # run; a study of many recipes names the papers' setting)
+    gaps: [dense]                                      # optional: the baselines the page plots each run's validation
+                                                       # gap to, step by step (gaps.png; a longer run's question)
     claims: {stt: stt_papers}                          # optional: run names by role for experiments/frontier/claims.py
                                                        # and targets.py (dense, papers, and ablations: {run without
                                                        # any technique: {technique: run with it}})
@@ -142,6 +144,7 @@ def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
     study.setdefault("budget", {})
     study.setdefault("baselines", [])
     study.setdefault("claims_runs", None)
+    study.setdefault("gaps", [])
     study.setdefault("eleuther", None)
     study.setdefault("validation_points", 4)
     study.setdefault("keep_checkpoints", True)
@@ -187,6 +190,9 @@ def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
     unknown = sorted(set(study["claims_runs"] or []) - set(names))
     if unknown:
         problems.append(f"claims_runs {unknown} are not run names")
+    unknown = sorted(set(study["gaps"]) - set(names))
+    if unknown:
+        problems.append(f"gaps {unknown} are not run names")
     if "claims" in study:
         problems += _claims_problems(study["claims"], names)
     if "comparisons" in study:

@@ -25,7 +25,7 @@ from experiments.eleuther import eleuther_config, parse_eleuther_table
 from experiments.evaluation import curves_from_log
 from experiments.frontier import claims, targets
 from experiments.pages import aggregate, comparison_section
-from experiments.results import layer_mean_curve, load_results
+from experiments.results import layer_mean_curve, load_results, paired_curve_difference
 from experiments.spec import load_study
 from experiments.stats import paired_difference, seed_window_bootstrap
 from experiments.subprocesses import write_json
@@ -440,6 +440,45 @@ def test_study_names_of_baselines_and_claims_runs_must_be_runs(tmp_path):
     with pytest.raises(StudyError, match=r"baselines \['layerdrop'\] are not run names; "
                                                r"claims_runs \['sdt_50'\] are not run names"):
         load_study(path, root=tmp_path)
+    path.write_text(json.dumps({**spec, "gaps": ["dense", "layerdrop_7"]}))
+    with pytest.raises(StudyError, match=r"gaps \['layerdrop_7'\] are not run names"):
+        load_study(path, root=tmp_path)
+
+
+def _curve(seed, values_by_step):
+    steps = sorted(values_by_step)
+    return {"seed": seed, "curves": {"steps": steps, "series": {"val/lm_loss_student": [values_by_step[s] for s in steps]}}}
+
+
+def test_gap_curves_pair_each_step_by_seed_and_skip_what_the_baseline_lacks():
+    run = [_curve(0, {50: 4.0, 100: 3.8, 150: None}), _curve(1, {50: 4.2, 100: 3.9}), _curve(2, {50: 9.0})]
+    base = [_curve(0, {50: 3.5, 100: 3.6, 150: 3.4}), _curve(1, {50: 3.6, 75: 3.0}), _curve(3, {50: 0.0})]
+    steps, gaps, seeds = paired_curve_difference(run, base, "val/lm_loss_student")
+    assert steps == [50, 100] and seeds == [2, 1]  # seed 2 has no baseline; step 150 was not logged by the run
+    assert gaps == pytest.approx([((4.0 - 3.5) + (4.2 - 3.6)) / 2, 3.8 - 3.6])
+
+
+def test_a_study_page_tables_and_plots_each_runs_gap_to_its_gaps_baselines_step_by_step(tmp_path):
+    source = REPO / "experiments" / "attribution"
+    shutil.copytree(source / "runs", tmp_path / "runs")
+    spec = json.loads((source / "study.json").read_text())
+    write_json(tmp_path / "study.json", {**spec, "gaps": ["dense", "layerdrop_6_distill_bias"]})
+    readme = aggregate(tmp_path).read_text()
+    _, runs = load_results(tmp_path)
+    section = readme.split("## Gaps during training")[1].split("\n## ")[0]
+    assert (tmp_path / "gaps.png").stat().st_size > 0 and "![gaps.png](gaps.png)" in section
+    for base in ("dense", "layerdrop_6_distill_bias"):
+        table = section.split(f"### against `{base}`")[1].split("\n### ")[0].split("![")[0]
+        header, _, *rows = [line for line in table.splitlines() if line.startswith("|")]
+        steps = [int(cell.split()[1]) for cell in header.strip("| ").split(" | ")[1:]]
+        by_run = {row.split(" | ")[0].strip("| `"): row.strip("| ").split(" | ")[1:] for row in rows}
+        assert base not in by_run and "stt_d6_bi10_all_fixedcrit_bias_rlr10" in by_run
+        for name, cells in by_run.items():
+            run_steps, gaps, seeds = paired_curve_difference(runs[name], runs[base], "val/lm_loss_student")
+            expected = {s: f"{g:+.3f} ({n})" for s, g, n in zip(run_steps, gaps, seeds)}
+            assert cells == [expected.get(s, "–") for s in steps], name
+    write_json(tmp_path / "study.json", spec)  # no `gaps`: no section, no plot
+    assert "## Gaps during training" not in aggregate(tmp_path).read_text()
 
 
 def _scored(seed, windows, flops=0.8):
