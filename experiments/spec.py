@@ -144,7 +144,6 @@ def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
     study.setdefault("budget", {})
     study.setdefault("baselines", [])
     study.setdefault("claims_runs", None)
-    study.setdefault("gaps", [])
     study.setdefault("eleuther", None)
     study.setdefault("validation_points", 4)
     study.setdefault("keep_checkpoints", True)
@@ -190,7 +189,7 @@ def load_study(path: Path, root: Optional[Path] = None) -> Dict[str, Any]:
     unknown = sorted(set(study["claims_runs"] or []) - set(names))
     if unknown:
         problems.append(f"claims_runs {unknown} are not run names")
-    unknown = sorted(set(study["gaps"]) - set(names))
+    unknown = sorted(set(study.get("gaps") or []) - set(names))
     if unknown:
         problems.append(f"gaps {unknown} are not run names")
     if "claims" in study:
