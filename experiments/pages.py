@@ -177,27 +177,29 @@ def gaps_section(out_dir: Path, order: List[str], runs: Results, baselines: List
     """Each run's validation loss minus each of ``baselines`` (the study's ``gaps``) at every validation step, paired
     by seed, as tables and as ``gaps.png``: whether a gap closes or widens with training. Empty when no run shares
     a step with a baseline."""
-    plot = gaps_plot(out_dir, order, runs, baselines)
-    if plot is None:
+    curves = {}
+    for base in baselines:
+        by_run = {n: paired_curve_difference(runs[n], runs.get(base, []), GAP_KEY)
+                  for n in order if n != base and runs.get(n)}
+        by_run = {n: c for n, c in by_run.items() if c[0]}
+        if by_run:
+            curves[base] = by_run
+    if not curves:
         return []
+    gaps_plot(out_dir, order, runs, curves)
     lines = ["## Gaps during training", "",
              f"Validation loss (`{GAP_KEY}`: the student, on the validation works) of each run minus the baseline's at "
              "the same optimizer step, mean over the seeds both have (n). The finished runs' test-window differences "
              "are the tables above; these show how each gap moved while training.", ""]
-    for base in baselines:
-        rows = [(n, paired_curve_difference(runs[n], runs.get(base, []), GAP_KEY)) for n in order
-                if n != base and runs.get(n)]
-        rows = [(n, c) for n, c in rows if c[0]]
-        if not rows:
-            continue
-        steps = sorted({s for _, c in rows for s in c[0]})
+    for base, by_run in curves.items():
+        steps = sorted({s for c in by_run.values() for s in c[0]})
         lines += [f"### against `{base}`", "", "| run | " + " | ".join(f"step {s}" for s in steps) + " |",
                   "|" + "---|" * (1 + len(steps))]
-        for n, (run_steps, diffs, seeds) in rows:
+        for n, (run_steps, diffs, seeds) in by_run.items():
             cell = {s: f"{d:+.3f} ({k})" for s, d, k in zip(run_steps, diffs, seeds)}
             lines.append(f"| `{n}` | " + " | ".join(cell.get(s, "–") for s in steps) + " |")
         lines.append("")
-    lines += [f"![{plot}]({plot})", ""]
+    lines += ["![gaps.png](gaps.png)", ""]
     return lines
 
 

@@ -4,10 +4,10 @@ curves, validation student vs teacher, executed fraction per routed layer, and t
 import math
 import statistics
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from experiments.results import (METRIC, ROUTED_VARIANTS, Results, layer_mean_curve, layer_values, mean_curve,
-                                 model_config, paired_curve_difference)
+                                 model_config)
 from experiments.stats import lowest_at_equal_flops, mean_std
 
 #: The figures ``make_plots`` writes, and their headings on the study page.
@@ -153,19 +153,14 @@ def make_plots(out_dir: Path, order: List[str], runs: Results, dense_names: List
 
 #: The validation series the gap curves are drawn from (student: what is deployed).
 GAP_KEY = "val/lm_loss_student"
+#: Per baseline, per run: (steps, run − baseline, seeds averaged).
+GapCurves = Dict[str, Dict[str, Tuple[List[int], List[float], List[int]]]]
 
 
-def gaps_plot(out_dir: Path, order: List[str], runs: Results, baselines: List[str]) -> Optional[str]:
-    """``gaps.png``: one panel per baseline, each other run's validation loss (student) minus the baseline's at
-    the same step, paired by seed (:func:`paired_curve_difference`): how a gap moves as training goes on. None
-    (nothing written) when no run shares a validation step and seed with a baseline."""
-    curves = {base: {n: paired_curve_difference(runs[n], runs[base], GAP_KEY)
-                     for n in order if n != base and runs.get(n)}
-              for base in baselines if runs.get(base)}
-    curves = {base: {n: c for n, c in by_run.items() if c[0]} for base, by_run in curves.items()}
-    curves = {base: by_run for base, by_run in curves.items() if by_run}
-    if not curves:
-        return None
+def gaps_plot(out_dir: Path, order: List[str], runs: Results, curves: GapCurves) -> None:
+    """``gaps.png``: one panel per baseline of ``curves`` (``{baseline: {run: (steps, differences, seeds)}}``, as
+    :func:`paired_curve_difference` gives them), each run's validation loss (student) minus the baseline's at the
+    same step, paired by seed: how a gap moves as training goes on."""
     matplotlib, plt = _pyplot()
     names = [n for n in order if runs.get(n)]
     colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
@@ -179,7 +174,7 @@ def gaps_plot(out_dir: Path, order: List[str], runs: Results, baselines: List[st
         ax.set_ylabel(f"validation loss − {base} (student, paired by seed)")
         ax.set_title(f"against {base}", fontsize=9)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    handles, labels = {}, {}
+    handles = {}
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
@@ -187,7 +182,6 @@ def gaps_plot(out_dir: Path, order: List[str], runs: Results, baselines: List[st
     fig.legend(list(handles.values()), list(handles), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
     fig.savefig(out_dir / "gaps.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
-    return "gaps.png"
 
 
 def surprise_runs(names: List[str], runs: Results) -> List[str]:

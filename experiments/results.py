@@ -56,26 +56,21 @@ def model_config(result: Dict[str, Any]) -> Dict[str, Any]:
     return (result.get("config") or {}).get("model") or {}
 
 
-def mean_curve(results: List[Dict[str, Any]], key: str) -> Tuple[List[int], List[float]]:
-    """Per logged step, the mean over seeds of the training-log series ``key``."""
-    by_step: Dict[int, List[float]] = {}
-    for r in results:
-        curves = r.get("curves") or {}
-        values = (curves.get("series") or {}).get(key)
-        if not values:
-            continue
-        for step, value in zip(curves["steps"], values):
-            if value is not None:
-                by_step.setdefault(step, []).append(value)
-    steps = sorted(by_step)
-    return steps, [statistics.fmean(by_step[s]) for s in steps]
-
-
 def series_by_step(result: Dict[str, Any], key: str) -> Dict[int, float]:
     """One run JSON's training-log series ``key`` as ``{step: value}`` (logged steps only)."""
     curves = result.get("curves") or {}
     values = (curves.get("series") or {}).get(key) or []
     return {step: value for step, value in zip(curves.get("steps") or [], values) if value is not None}
+
+
+def mean_curve(results: List[Dict[str, Any]], key: str) -> Tuple[List[int], List[float]]:
+    """Per logged step, the mean over seeds of the training-log series ``key``."""
+    by_step: Dict[int, List[float]] = {}
+    for r in results:
+        for step, value in series_by_step(r, key).items():
+            by_step.setdefault(step, []).append(value)
+    steps = sorted(by_step)
+    return steps, [statistics.fmean(by_step[s]) for s in steps]
 
 
 def paired_curve_difference(results: List[Dict[str, Any]], baseline: List[Dict[str, Any]],
