@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from experiments.plots import GAP_KEY, TITLES, claims_plot, dynamic_runs, gaps_plot, make_plots, surprise_runs
-from experiments.results import (METRIC, METRICS, Results, layer_mean_curve, layer_values, load_results, mean_curve,
-                                 paired_curve_difference,
-                                 unexplained_update_share)
+from experiments.results import (METRIC, METRICS, Results, in_training_results, layer_mean_curve, layer_values,
+                                 load_results, mean_curve, paired_curve_difference, unexplained_update_share)
 from experiments.spec import run_id
 from experiments.stats import finite, paired_difference, seed_window_bootstrap, slope
 from experiments.training import stale_keys
@@ -173,31 +172,50 @@ def paired_section(base: str, order: List[str], runs: Results) -> List[str]:
     return lines
 
 
-def gaps_section(out_dir: Path, order: List[str], runs: Results, baselines: List[str]) -> List[str]:
+def in_training_label(partial: dict) -> str:
+    """A gaps row of a run still training: its name, seed and how far it has come."""
+    planned = partial.get("planned_steps")
+    return (f"{partial['name']} (seed {partial['seed']}, in training: step {partial['steps']}"
+            + (f" of {planned})" if planned else ")"))
+
+
+def gaps_section(out_dir: Path, order: List[str], runs: Results, baselines: List[str],
+                 in_training: Optional[Results] = None) -> List[str]:
     """Each run's validation loss minus each of ``baselines`` (the study's ``gaps``) at every validation step, paired
-    by seed, as tables and as ``gaps.png``: whether a gap closes or widens with training. Empty when no run shares
-    a step with a baseline."""
-    curves = {}
+    by seed, as tables and as ``gaps.png``: whether a gap closes or widens with training. ``in_training`` (partial
+    results of runs still training, :func:`in_training_results`) adds a row per such (run, seed) for the steps it
+    has validated so far, marked as in training. Empty when no row shares a step with a baseline."""
+    in_training = in_training or {}
+    curves, running = {}, []
     for base in baselines:
-        by_run = {n: paired_curve_difference(runs[n], runs.get(base, []), GAP_KEY)
+        by_row = {f"`{n}`": paired_curve_difference(runs[n], runs.get(base, []), GAP_KEY)
                   for n in order if n != base and runs.get(n)}
-        by_run = {n: c for n, c in by_run.items() if c[0]}
-        if by_run:
-            curves[base] = by_run
+        for n in order:
+            for partial in in_training.get(n, []) if n != base else []:
+                label = f"`{in_training_label(partial)}`"
+                by_row[label] = paired_curve_difference([partial], runs.get(base, []), GAP_KEY)
+                running.append(label)
+        by_row = {n: c for n, c in by_row.items() if c[0]}
+        if by_row:
+            curves[base] = by_row
     if not curves:
         return []
-    gaps_plot(out_dir, order, runs, curves)
+    gaps_plot(out_dir, {b: {label.strip("`"): c for label, c in by_row.items()} for b, by_row in curves.items()},
+              [label.strip("`") for label in running])
     lines = ["## Gaps during training", "",
              f"Validation loss (`{GAP_KEY}`: the student, on the validation works) of each run minus the baseline's at "
              "the same optimizer step, mean over the seeds both have (n). The finished runs' test-window differences "
-             "are the tables above; these show how each gap moved while training.", ""]
-    for base, by_run in curves.items():
-        steps = sorted({s for c in by_run.values() for s in c[0]})
+             "are the tables above; these show how each gap moved while training."
+             + (" Rows marked *in training* are runs that have not finished, read from their training logs on the "
+                "machine that wrote this page (dashed in the plot): partial, unscored, and in no other table."
+                if running else ""), ""]
+    for base, by_row in curves.items():
+        steps = sorted({s for c in by_row.values() for s in c[0]})
         lines += [f"### against `{base}`", "", "| run | " + " | ".join(f"step {s}" for s in steps) + " |",
                   "|" + "---|" * (1 + len(steps))]
-        for n, (run_steps, diffs, seeds) in by_run.items():
-            cell = {s: f"{d:+.3f} ({k})" for s, d, k in zip(run_steps, diffs, seeds)}
-            lines.append(f"| `{n}` | " + " | ".join(cell.get(s, "–") for s in steps) + " |")
+        for label, (row_steps, diffs, seeds) in by_row.items():
+            cell = {s: f"{d:+.3f} ({k})" for s, d, k in zip(row_steps, diffs, seeds)}
+            lines.append(f"| {label} | " + " | ".join(cell.get(s, "–") for s in steps) + " |")
         lines.append("")
     lines += ["![gaps.png](gaps.png)", ""]
     return lines
@@ -238,8 +256,10 @@ def claims_section(names: List[str], runs: Results, plotted: Optional[List[str]]
     return lines + ["", "![claims.png](claims.png)", ""]
 
 
-def aggregate(out_dir: Path) -> Path:
-    """Write ``<out_dir>/README.md`` and the plots from the run JSONs present (a partial study is fine)."""
+def aggregate(out_dir: Path, in_training: bool = False) -> Path:
+    """Write ``<out_dir>/README.md`` and the plots from the run JSONs present (a partial study is fine). With
+    ``in_training``, the gaps section also shows the runs still training on this machine (their logs in the
+    study's ``work_dir``)."""
     out_dir = Path(out_dir)
     spec, runs = load_results(out_dir)
     stale_lines = []
@@ -322,7 +342,8 @@ def aggregate(out_dir: Path) -> Path:
     for plot in plots:
         lines += [f"### {TITLES[plot]}", "", f"![{plot}]({plot})", ""]
     names = [n for n in order if runs.get(n)]
-    lines += gaps_section(out_dir, order, runs, list(spec.get("gaps") or []))
+    lines += gaps_section(out_dir, order, runs, list(spec.get("gaps") or []),
+                          in_training_results(spec, runs) if in_training else None)
     claims_plot(out_dir, names, runs, spec.get("claims_runs"))
     lines += claims_section(names, runs, spec.get("claims_runs"))
     lines += ["## Run files", ""]

@@ -4,7 +4,7 @@ curves, validation student vs teacher, executed fraction per routed layer, and t
 import math
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from experiments.results import (METRIC, ROUTED_VARIANTS, Results, layer_mean_curve, layer_values, mean_curve,
                                  model_config)
@@ -157,18 +157,21 @@ GAP_KEY = "val/lm_loss_student"
 GapCurves = Dict[str, Dict[str, Tuple[List[int], List[float], List[int]]]]
 
 
-def gaps_plot(out_dir: Path, order: List[str], runs: Results, curves: GapCurves) -> None:
-    """``gaps.png``: one panel per baseline of ``curves`` (``{baseline: {run: (steps, differences, seeds)}}``, as
-    :func:`paired_curve_difference` gives them), each run's validation loss (student) minus the baseline's at the
-    same step, paired by seed: how a gap moves as training goes on."""
+def gaps_plot(out_dir: Path, curves: GapCurves, in_training: Sequence[str] = ()) -> None:
+    """``gaps.png``: one panel per baseline of ``curves`` (``{baseline: {row: (steps, differences, seeds)}}``, as
+    :func:`paired_curve_difference` gives them), each row's validation loss (student) minus the baseline's at the
+    same step, paired by seed: how a gap moves as training goes on. Rows named in ``in_training`` (runs still
+    training) are drawn dashed with open markers."""
     matplotlib, plt = _pyplot()
-    names = [n for n in order if runs.get(n)]
-    colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
-    styles = {n: ("-", "--", ":", "-.")[(i // 10) % 4] for i, n in enumerate(names)}
+    rows = list(dict.fromkeys(row for by_row in curves.values() for row in by_row))
+    colors = {row: plt.cm.tab10(i % 10) for i, row in enumerate(rows)}
+    styles = {row: ("-", "--", ":", "-.")[(i // 10) % 4] for i, row in enumerate(rows)}
     fig, axes = plt.subplots(1, len(curves), figsize=(6.2 * len(curves), 4.6), squeeze=False)
-    for ax, (base, by_run) in zip(axes[0], curves.items()):
-        for n, (steps, diffs, _) in by_run.items():
-            ax.plot(steps, diffs, styles[n], marker="o", markersize=3, color=colors[n], label=n)
+    for ax, (base, by_row) in zip(axes[0], curves.items()):
+        for row, (steps, diffs, _) in by_row.items():
+            running = row in in_training
+            ax.plot(steps, diffs, "--" if running else styles[row], marker="o", markersize=4 if running else 3,
+                    markerfacecolor="white" if running else colors[row], color=colors[row], label=row)
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(f"validation loss − {base} (student, paired by seed)")

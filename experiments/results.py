@@ -129,3 +129,37 @@ def unexplained_update_share(results: List[Dict[str, Any]]) -> Optional[float]:
     change, static = layer_values(results, "teacher/d_ch"), layer_values(results, "teacher/d_st")
     ratios = [change[layer] / static[layer] for layer in change if static.get(layer)]
     return statistics.fmean(ratios) if ratios else None
+
+
+def in_training_results(spec: Dict[str, Any], finished: Results) -> Results:
+    """The study's (run, seed)s that have no result JSON yet but whose training has logged steps: ``{name:
+    [partial result, ...]}`` with ``name``, ``seed``, ``steps`` (the last step logged), ``planned_steps`` and the
+    ``curves`` read from the run's training logs in ``spec["work_dir"]`` (the same reading the driver does when
+    the run finishes), so a long study's page can show how far its running runs have come. Nothing here is a
+    result: the logs belong to this machine and the runs are unscored."""
+    from torchtune_dtf.evaluation.metric_logs import parse_disk_logs
+
+    from experiments.evaluation import curves_from_log
+    from experiments.spec import run_id
+    from experiments.training import planned_steps
+
+    partial: Results = {}
+    work_dir = spec.get("work_dir")
+    if not work_dir:
+        return partial
+    for run in spec.get("runs", []):
+        done = {r["seed"] for r in finished.get(run["name"], [])}
+        for seed in spec.get("seeds", []):
+            logs = Path(work_dir) / "runs" / run_id(run["name"], int(seed)) / "logs"
+            if int(seed) in done or not logs.is_dir():
+                continue
+            rows = parse_disk_logs(logs)
+            trained = [step for step, row in rows.items() if "loss/lm" in row]
+            if not trained:
+                continue
+            partial.setdefault(run["name"], []).append({
+                "name": run["name"], "seed": int(seed), "steps": max(trained),
+                "planned_steps": planned_steps(run["config"], spec.get("budget") or {}, run["overrides"])
+                if Path(run["config"]).is_file() else None,
+                "curves": curves_from_log(rows)})
+    return partial

@@ -1,7 +1,7 @@
 """Experiment driver: train, evaluate and aggregate a named study of routed-model runs (issue 14).
 
     python experiments/study.py run STUDY.yaml [--only NAME ...] [--seeds 0 1 2] [--no-aggregate] [--dry-run]
-    python experiments/study.py aggregate OUT_DIR
+    python experiments/study.py aggregate OUT_DIR [--in-training]
     python experiments/study.py show STUDY.yaml
 
 Run it from the repository root: every relative path in the study file and in the configs it names is relative to
@@ -31,7 +31,7 @@ from experiments import StudyError  # noqa: E402
 def cmd_aggregate(args: argparse.Namespace) -> int:
     from experiments.pages import aggregate
 
-    aggregate(Path(args.out_dir))
+    aggregate(Path(args.out_dir), in_training=args.in_training)
     return 0
 
 
@@ -75,6 +75,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     run.set_defaults(fn=cmd_run)
     agg = sub.add_parser("aggregate", help="write <out_dir>/README.md and the plots from the run JSONs")
     agg.add_argument("out_dir")
+    agg.add_argument("--in-training", action="store_true",
+                     help="also show, in the gaps section, the runs still training here (read from their logs)")
     agg.set_defaults(fn=cmd_aggregate)
     show = sub.add_parser("show", help="print the study's runs as their parts resolve them (nothing is trained)")
     show.add_argument("study", help="study YAML")

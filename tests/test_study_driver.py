@@ -402,9 +402,10 @@ def test_paired_t_interval_and_parsed_logs_and_tables_equal_hand_values(tmp_path
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "log_100.txt").write_text("Step 1 | loss/lm:2.0 tokens:10 \nStep 2 | loss/lm:1.9 tokens:10 \n"
-                                      "Step 2 | val/lm_loss_student:2.5 \nStep 3 | loss/lm:9.9 tokens:10 \n")
+                                      "Step 2 | val/lm_loss_student:2.5 \nStep 3 | loss/lm:9.9 tokens:10 \n"
+                                      "Step 4 | loss/lm:9.8 tokens:10 val/lm_loss_student:9.7 \n")  # interrupted
     (logs / "log_200.txt").write_text("Step 3 | loss/lm:1.8 tokens:12 routing/layer_1/selected_fraction:0.5 \n")
-    rows = parse_disk_logs(logs)
+    rows = parse_disk_logs(logs)  # the resumed attempt from step 3 on: the interrupted one's step 4 is not done
     assert rows == {1: {"loss/lm": 2.0, "tokens": 10.0}, 2: {"loss/lm": 1.9, "tokens": 10.0, "val/lm_loss_student": 2.5},
                     3: {"loss/lm": 1.8, "tokens": 12.0, "routing/layer_1/selected_fraction": 0.5}}
     curves = curves_from_log(rows)
@@ -479,6 +480,38 @@ def test_a_study_page_tables_and_plots_each_runs_gap_to_its_gaps_baselines_step_
             assert cells == [expected.get(s, "–") for s in steps], name
     write_json(tmp_path / "study.json", spec)  # no `gaps`: no section, no plot
     assert "## Gaps during training" not in aggregate(tmp_path).read_text()
+
+
+def test_a_study_page_shows_the_runs_still_training_from_their_logs_when_asked(tmp_path):
+    source = REPO / "experiments" / "attribution"
+    shutil.copytree(source / "runs", tmp_path / "runs")
+    spec = json.loads((source / "study.json").read_text())
+    for run in spec["runs"]:  # the recorded study names configs by absolute path on the machine that ran it
+        run["config"] = str(REPO / Path(run["config"]).relative_to(Path(spec["source"]).parents[2]))
+    name = "stt_d6_bi10_all_fixedcrit_bias_rlr10"
+    (tmp_path / "runs" / f"{name}__seed0.json").unlink()
+    logs = tmp_path / "work" / "runs" / f"{name}__seed0" / "logs"
+    logs.mkdir(parents=True)
+    # An attempt that validated at 50 and 100 and was killed at 105 before its step-100 checkpoint landed, and the
+    # attempt resumed from step 50's checkpoint, now at step 70.
+    (logs / "log_100.txt").write_text("".join(f"Step {s} | loss/lm:4.0 tokens:1020 \n" for s in range(1, 106))
+                                      + "Step 50 | val/lm_loss_student:4.80 \nStep 100 | val/lm_loss_student:4.70 \n")
+    (logs / "log_200.txt").write_text("".join(f"Step {s} | loss/lm:4.0 tokens:1020 \n" for s in range(51, 71)))
+    write_json(tmp_path / "study.json", {**spec, "work_dir": str(tmp_path / "work"), "gaps": ["dense"]})
+    _, runs = load_results(tmp_path)
+    assert name not in runs or all(r["seed"] != 0 for r in runs[name])
+    plain = aggregate(tmp_path).read_text()
+    assert "in training:" not in plain
+    readme = aggregate(tmp_path, in_training=True).read_text()
+    section = readme.split("## Gaps during training")[1].split("\n## ")[0]
+    row = next(line for line in section.splitlines() if line.startswith("|") and "in training:" in line)
+    dense_50 = next(r for r in runs["dense"] if r["seed"] == 0)
+    dense_50 = dict(zip(dense_50["curves"]["steps"], dense_50["curves"]["series"]["val/lm_loss_student"]))[50]
+    assert row.startswith(f"| `{name} (seed 0, in training: step 70 of 200)` |")
+    cells = row.strip("| ").split(" | ")[1:]
+    assert f"{4.80 - dense_50:+.3f} (1)" in cells and len([c for c in cells if c != "–"]) == 1  # step 100 not redone
+    # The in-training row is in no other table: the runs table still counts the seeds that finished.
+    assert readme.split("## Gaps during training")[0] == plain.split("## Gaps during training")[0]
 
 
 def _scored(seed, windows, flops=0.8):

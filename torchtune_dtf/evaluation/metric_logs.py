@@ -18,8 +18,9 @@ READABLE_LOGGERS = ("DiskLogger", "TensorBoardLogger")
 def parse_disk_logs(log_dir: Path) -> Dict[int, Dict[str, float]]:
     """Every ``Step N | key:value ...`` line of torchtune's DiskLogger files in ``log_dir``, merged by step.
 
-    Files are read oldest first (``log_<unix time>.txt``), so steps that a resumed run logged again take the
-    values of the attempt that finished."""
+    Files are read oldest first (``log_<unix time>.txt``): a resumed attempt restarts from its checkpoint, so
+    its first logged step drops every row an earlier attempt logged from that step on (steps past the
+    checkpoint that the interrupted attempt reached, not yet trained again, would otherwise read as done)."""
 
     def order(path: Path):
         stamp = path.stem.rsplit("_", 1)[-1]
@@ -27,6 +28,7 @@ def parse_disk_logs(log_dir: Path) -> Dict[int, Dict[str, float]]:
 
     rows: Dict[int, Dict[str, float]] = {}
     for path in sorted(Path(log_dir).glob("*.txt"), key=order):
+        first_step = True
         for line in path.read_text(errors="replace").splitlines():
             if not line.startswith("Step ") or " | " not in line:
                 continue
@@ -35,6 +37,9 @@ def parse_disk_logs(log_dir: Path) -> Dict[int, Dict[str, float]]:
                 step = int(head.split()[1])
             except (IndexError, ValueError):
                 continue
+            if first_step:
+                rows = {s: row for s, row in rows.items() if s < step}
+                first_step = False
             row = rows.setdefault(step, {})
             for item in rest.split():
                 key, sep, value = item.rpartition(":")
