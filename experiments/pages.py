@@ -188,11 +188,11 @@ def gaps_section(out_dir: Path, order: List[str], runs: Results, baselines: List
     in_training = in_training or {}
     curves, running = {}, []
     for base in baselines:
-        by_row = {f"`{n}`": paired_curve_difference(runs[n], runs.get(base, []), GAP_KEY)
+        by_row = {n: paired_curve_difference(runs[n], runs.get(base, []), GAP_KEY)
                   for n in order if n != base and runs.get(n)}
         for n in order:
             for partial in in_training.get(n, []) if n != base else []:
-                label = f"`{in_training_label(partial)}`"
+                label = in_training_label(partial)
                 by_row[label] = paired_curve_difference([partial], runs.get(base, []), GAP_KEY)
                 running.append(label)
         by_row = {n: c for n, c in by_row.items() if c[0]}
@@ -200,8 +200,7 @@ def gaps_section(out_dir: Path, order: List[str], runs: Results, baselines: List
             curves[base] = by_row
     if not curves:
         return []
-    gaps_plot(out_dir, {b: {label.strip("`"): c for label, c in by_row.items()} for b, by_row in curves.items()},
-              [label.strip("`") for label in running])
+    gaps_plot(out_dir, curves, running)
     lines = ["## Gaps during training", "",
              f"Validation loss (`{GAP_KEY}`: the student, on the validation works) of each run minus the baseline's at "
              "the same optimizer step, mean over the seeds both have (n). The finished runs' test-window differences "
@@ -215,7 +214,7 @@ def gaps_section(out_dir: Path, order: List[str], runs: Results, baselines: List
                   "|" + "---|" * (1 + len(steps))]
         for label, (row_steps, diffs, seeds) in by_row.items():
             cell = {s: f"{d:+.3f} ({k})" for s, d, k in zip(row_steps, diffs, seeds)}
-            lines.append(f"| {label} | " + " | ".join(cell.get(s, "–") for s in steps) + " |")
+            lines.append(f"| `{label}` | " + " | ".join(cell.get(s, "–") for s in steps) + " |")
         lines.append("")
     lines += ["![gaps.png](gaps.png)", ""]
     return lines
