@@ -261,6 +261,7 @@ def aggregate(out_dir: Path, in_training: bool = False) -> Path:
     study's ``work_dir``)."""
     out_dir = Path(out_dir)
     spec, runs = load_results(out_dir)
+    finished = dict(runs)  # stale results included: a run with a result JSON is not in training
     stale_lines = []
     for run_spec in spec.get("runs", []):
         if run_spec["name"] not in runs or not Path(run_spec["config"]).is_file():
@@ -342,7 +343,7 @@ def aggregate(out_dir: Path, in_training: bool = False) -> Path:
         lines += [f"### {TITLES[plot]}", "", f"![{plot}]({plot})", ""]
     names = [n for n in order if runs.get(n)]
     lines += gaps_section(out_dir, order, runs, list(spec.get("gaps") or []),
-                          in_training_results(spec, runs) if in_training else None)
+                          in_training_results(spec, finished) if in_training else None)
     claims_plot(out_dir, names, runs, spec.get("claims_runs"))
     lines += claims_section(names, runs, spec.get("claims_runs"))
     lines += ["## Run files", ""]
