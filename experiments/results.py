@@ -1,5 +1,6 @@
 """The run JSONs of a study read back: every result by run name, the tables' columns, and the training curves and
-held-out per-layer values the plots and the claims are drawn from."""
+held-out per-layer values the plots and the claims are drawn from; and, for a page that shows runs before they
+finish, the curves of the runs still training read from their logs (:func:`in_training_results`)."""
 
 import json
 import statistics
