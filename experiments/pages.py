@@ -186,7 +186,7 @@ def gaps_section(out_dir: Path, order: List[str], runs: Results, baselines: List
     results of runs still training, :func:`in_training_results`) adds a row per such (run, seed) for the steps it
     has validated so far, marked as in training. Empty when no row shares a step with a baseline."""
     in_training = in_training or {}
-    curves, running = {}, []
+    curves, running = {}, set()
     for base in baselines:
         by_row = {n: paired_curve_difference(runs[n], runs.get(base, []), GAP_KEY)
                   for n in order if n != base and runs.get(n)}
@@ -194,7 +194,7 @@ def gaps_section(out_dir: Path, order: List[str], runs: Results, baselines: List
             for partial in in_training.get(n, []) if n != base else []:
                 label = in_training_label(partial)
                 by_row[label] = paired_curve_difference([partial], runs.get(base, []), GAP_KEY)
-                running.append(label)
+                running.add(label)
         by_row = {n: c for n, c in by_row.items() if c[0]}
         if by_row:
             curves[base] = by_row

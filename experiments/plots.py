@@ -4,7 +4,7 @@ curves, validation student vs teacher, executed fraction per routed layer, and t
 import math
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 from experiments.results import (METRIC, ROUTED_VARIANTS, Results, layer_mean_curve, layer_values, mean_curve,
                                  model_config)
@@ -157,7 +157,7 @@ GAP_KEY = "val/lm_loss_student"
 GapCurves = Dict[str, Dict[str, Tuple[List[int], List[float], List[int]]]]
 
 
-def gaps_plot(out_dir: Path, curves: GapCurves, in_training: Sequence[str] = ()) -> None:
+def gaps_plot(out_dir: Path, curves: GapCurves, in_training: Collection[str] = ()) -> None:
     """``gaps.png``: one panel per baseline of ``curves`` (``{baseline: {row: (steps, differences, seeds)}}``, as
     :func:`paired_curve_difference` gives them), each row's validation loss (student) minus the baseline's at the
     same step, paired by seed: how a gap moves as training goes on. Rows named in ``in_training`` (runs still
