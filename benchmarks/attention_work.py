@@ -27,7 +27,8 @@ import torch
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from torchtune_dtf import closed_form as cf
-from benchmarks.common import REPO, config_routing, interleaved, paired_ratio, set_threads, subnormals_flushed
+from benchmarks.common import (REPO, config_routing, interleaved, paired_ratio, results_dir, set_threads,
+                               subnormals_flushed)
 from torchtune_dtf.models import qwen2_5
 from torchtune_dtf.models.qwen2_5 import QWEN2_5_SHAPES
 from torchtune_dtf.modules import RoutingContext
@@ -83,10 +84,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     parser.add_argument("--quick", action="store_true", help="T = 256, two rounds")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="default benchmarks/results/attention_work")
+    parser.add_argument("--overwrite", action="store_true", help="replace the results an existing --out holds")
     args = parser.parse_args(argv)
     if args.quick:
         args.seq_len, args.rounds = 256, 2
+    out = None
+    if not args.quick or args.out:  # a quick run without --out writes nothing
+        out = results_dir(args.out, REPO / "benchmarks" / "results" / "attention_work", overwrite=args.overwrite,
+                          names=[f"results_{args.seq_len}.json"])
     set_threads(args.threads)
     torch.manual_seed(0)
     kept, selected = build_layer(args.size, True, args.gamma), build_layer(args.size, False, args.gamma)
@@ -133,8 +139,7 @@ def main(argv=None) -> dict:
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {ideal:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / "attention_work"
-    if not args.quick or args.out:
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"results_{args.seq_len}.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / f"results_{args.seq_len}.md").write_text(text)

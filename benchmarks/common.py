@@ -197,6 +197,35 @@ def categorize_flops(counter: FlopCounterMode) -> Dict[str, int]:
                 routers=routers, total=total)
 
 
+# ---- where results go -------------------------------------------------------------------------------
+
+
+def results_dir(out: Optional[os.PathLike], default: Path, *, overwrite: bool = False,
+                names: Iterable[str] = ("results.json",)) -> Path:
+    """The folder a benchmark will write ``names`` into, decided before it runs (the first write may be an hour in).
+
+    Folders under ``benchmarks/results/`` are committed evidence that the README and docs quote, so nothing is
+    replaced silently: an explicit ``out`` that already holds one of ``names`` is refused unless ``overwrite``, and
+    where the ``default`` folder holds them the first free ``<default>_2``, ``<default>_3``, … is used instead.
+    """
+    names = tuple(names)
+
+    def holds_results(folder: Path) -> bool:
+        return any((folder / name).exists() for name in names)
+
+    if out is not None:
+        folder = Path(out)
+        if holds_results(folder) and not overwrite:
+            raise SystemExit(f"{folder} already holds {', '.join(n for n in names if (folder / n).exists())}: "
+                             "pass --overwrite to replace it, or choose another --out")
+        return folder
+    folder, number = Path(default), 1
+    while holds_results(folder) and not overwrite:
+        number += 1
+        folder = Path(default).with_name(f"{Path(default).name}_{number}")
+    return folder
+
+
 # ---- timing ------------------------------------------------------------------------------------------
 
 

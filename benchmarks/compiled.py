@@ -47,6 +47,7 @@ from benchmarks.common import (
     interleaved,
     median,
     paired_ratio,
+    results_dir,
     set_threads,
     subnormals_flushed,
     sync,
@@ -581,12 +582,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     parser.add_argument("--workloads", nargs="+", default=["prefill", "decode_b1", "decode_topk", "train"],
                         choices=["prefill", "decode_b1", "decode_topk", "train"])
     parser.add_argument("--quick", action="store_true", help="short lengths and one round (smoke run)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="default benchmarks/results/compiled_<shape>, or the first free _2, _3, …")
+    parser.add_argument("--overwrite", action="store_true", help="replace the results an existing --out holds")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.prefill_len, args.context, args.context_b8, args.decode_steps, args.train_len = 1, 64, 64, 32, 16, 64
-    if args.out is None:
-        args.out = str(REPO / "benchmarks" / "results" / f"compiled_{args.shape}{'_quick' if args.quick else ''}")
+    args.out = str(results_dir(args.out, REPO / "benchmarks" / "results" / f"compiled_{args.shape}{'_quick' if args.quick else ''}",
+                               overwrite=args.overwrite))
     return run(args)
 
 

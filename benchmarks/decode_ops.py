@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torchtune import config, generation
 from torchtune.modules.common_utils import delete_kv_caches
 
-from benchmarks.common import REPO, set_threads
+from benchmarks.common import REPO, results_dir, set_threads
 from torchtune_dtf.evaluation import side_by_side
 from torchtune_dtf.evaluation.routing_report import load_config, load_trained
 from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutedTransformerDecoder
@@ -301,7 +301,10 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                         help="compile every layer first (compile_layers, static caches; the first calls compile)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 profiled steps, no timing")
     parser.add_argument("--out", type=Path, help="write results.json and results.md here")
+    parser.add_argument("--overwrite", action="store_true", help="replace the results an existing --out holds")
     args = parser.parse_args(argv)
+    if args.out:
+        args.out = results_dir(args.out, args.out, overwrite=args.overwrite)
     if args.quick:
         args.steps, args.rounds = 4, 0
     set_threads(args.threads)

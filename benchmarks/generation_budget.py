@@ -132,8 +132,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser.add_argument("--max-new-tokens", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--heldout-windows", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "generation_budget")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default benchmarks/results/generation_budget, or the first free _2, _3, …")
+    parser.add_argument("--overwrite", action="store_true", help="replace the results an existing --out holds")
     args = parser.parse_args(argv)
+    from benchmarks.common import results_dir
+
+    args.out = results_dir(args.out, REPO / "benchmarks" / "results" / "generation_budget", overwrite=args.overwrite)
     work = args.work.resolve()
     if not (work / args.run / "epoch_0").is_dir() or work.name != "quickstart_work":
         raise SystemExit(f"{work}/{args.run}/epoch_0 not found (a folder named quickstart_work, as the quickstart writes "

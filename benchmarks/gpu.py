@@ -42,7 +42,8 @@ from torchtune.modules.common_utils import delete_kv_caches
 from torchtune_dtf import closed_form as cf
 from benchmarks import compiled as compiled_benchmark
 from benchmarks.common import (build_dense, build_like, calibrate_student_threshold, cast_params, causal_cache_mask,
-                               interleaved, median, paired_ratio, routed_layers, routing_for, shapes_for, sync)
+                               interleaved, median, paired_ratio, results_dir, routed_layers, routing_for, shapes_for,
+                               sync)
 from benchmarks.run import describe_device, prepare_training, train_loss
 from torchtune_dtf.modules import RoutingContext
 
@@ -394,9 +395,10 @@ def profile_launches(size, plan, dense, topk, thresh, device, dtype, gen) -> Lis
     return rows
 
 
-def run_compiled(size: str, device: torch.device, out_dir: Path) -> List[Dict]:
+def run_compiled(size: str, device: torch.device, out_dir: Path, overwrite: bool = False) -> List[Dict]:
     """``benchmarks.compiled`` on ``device`` (its own models and files, OUT/compiled/); nothing joins the eager rows."""
-    compiled_benchmark.main([*COMPILED_ARGS[size], "--device", str(device), "--out", str(out_dir / "compiled")])
+    compiled_benchmark.main([*COMPILED_ARGS[size], "--device", str(device), "--out", str(out_dir / "compiled"),
+                             *(["--overwrite"] if overwrite else [])])
     return []
 
 
@@ -443,7 +445,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="0_5b", choices=sorted(PLANS))
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", default=None, help="default benchmarks/results/gpu_<size>")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/gpu_<size>, or the first free _2, _3, …")
+    parser.add_argument("--overwrite", action="store_true", help="replace the results an existing --out holds")
     parser.add_argument("--batch", type=int, default=None, help="batch of prefill, train and decode timings")
     parser.add_argument("--seq", type=int, default=None, help="sequence length of prefill and train timings")
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS, help="default: all")
@@ -457,7 +460,7 @@ def main(argv=None) -> int:
             plan[key] = [(args.batch or b, args.seq or T) for b, T in plan[key][:1]]
         plan["decode"] = (args.batch or plan["decode"][0], *plan["decode"][1:])
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 checks in fp32
-    out_dir = Path(args.out or Path(__file__).parent / "results" / f"gpu_{args.size}")
+    out_dir = results_dir(args.out, Path(__file__).parent / "results" / f"gpu_{args.size}", overwrite=args.overwrite)
     out_dir.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
 
@@ -489,7 +492,7 @@ def main(argv=None) -> int:
                     decode=lambda: time_decode(args.size, plan, dense, thresh, device, dtype, gen),
                     profile=lambda: profile_launches(args.size, plan, dense, topk, thresh, device, dtype, gen),
                     train=lambda: time_train(args.size, plan, dense, device, dtype, gen),  # it updates weights
-                    compiled=lambda: run_compiled(args.size, device, out_dir))
+                    compiled=lambda: run_compiled(args.size, device, out_dir, args.overwrite))
     for name, fn in sections.items():
         if name not in args.sections:
             continue

@@ -489,6 +489,36 @@ def test_compiled_benchmark_times_every_model_and_workload_against_dense(tmp_pat
     assert "| bytes read / dense |" in report
 
 
+def test_a_benchmark_never_replaces_committed_results_unasked(tmp_path):
+    """Result folders are evidence the README quotes: a rerun into a folder that holds results is refused before
+    anything runs (unless --overwrite), and a run left at its default folder takes the next free name."""
+    from benchmarks import compiled, gpu
+    from benchmarks.common import results_dir
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "results.json").write_text('{"kept": true}')
+    for main in (lambda: compiled.main(["--shape", "tiny", "--quick", "--modes", "eager", "--out", str(kept)]),
+                 lambda: gpu.main(["--size", "tiny", "--device", "cpu", "--out", str(kept)])):
+        with pytest.raises(SystemExit, match="already holds results.json: pass --overwrite"):
+            main()
+    assert (kept / "results.json").read_text() == '{"kept": true}' and sorted(kept.iterdir()) == [kept / "results.json"]
+    assert results_dir(kept, tmp_path / "unused", overwrite=True) == kept
+    assert results_dir(tmp_path / "empty", tmp_path / "unused") == tmp_path / "empty"
+
+    default = tmp_path / "compiled_tiny"
+    assert results_dir(None, default) == default  # nothing there yet
+    default.mkdir()
+    (default / "results.json").write_text("{}")
+    assert results_dir(None, default) == tmp_path / "compiled_tiny_2"
+    (tmp_path / "compiled_tiny_2").mkdir()
+    (tmp_path / "compiled_tiny_2" / "results.json").write_text("{}")
+    assert results_dir(None, default) == tmp_path / "compiled_tiny_3"
+    assert results_dir(None, default, overwrite=True) == default
+    # Files of another name (attention_work keeps one per length) do not count as the results asked about.
+    assert results_dir(default, default, names=["results_1024.json"]) == default
+
+
 def test_attention_work_times_the_routed_layer_chunked_and_as_one_call(tmp_path):
     """The chunked-attention benchmark times every layer form against the dense layer and writes its table; its
     K/V-kept layer runs at several chunks at the smoke length (T = 256: ⌊γ·T⌋ = 128 queries, two chunks)."""
