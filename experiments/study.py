@@ -2,6 +2,7 @@
 
     python experiments/study.py run STUDY.yaml [--only NAME ...] [--seeds 0 1 2] [--no-aggregate] [--dry-run]
     python experiments/study.py aggregate OUT_DIR [--in-training]
+    python experiments/study.py status OUT_DIR
     python experiments/study.py show STUDY.yaml
 
 Run it from the repository root: every relative path in the study file and in the configs it names is relative to
@@ -32,6 +33,39 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     from experiments.pages import aggregate
 
     aggregate(Path(args.out_dir), in_training=args.in_training)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print, per run of the study, which seeds finished (result JSON), which are training on this machine and at
+    which step (read from their logs, as ``aggregate --in-training`` reads them) and which have not started."""
+    from experiments.results import in_training_results, load_results
+
+    out_dir = Path(args.out_dir)
+    spec, finished = load_results(out_dir)
+    if not spec:
+        raise StudyError(f"{out_dir}/study.json not found: `python experiments/study.py run` writes it")
+    training = in_training_results(spec, finished)
+    seeds = [int(seed) for seed in spec.get("seeds", [])]
+    totals = {"finished": 0, "training": 0, "not started": 0}
+    lines = []
+    for run in spec["runs"]:
+        name = run["name"]
+        done = sorted(r["seed"] for r in finished.get(name, []))
+        running = {p["seed"]: p for p in training.get(name, [])}
+        waiting = [seed for seed in seeds if seed not in done and seed not in running]
+        parts = [f"finished {done}" if done else None]
+        for seed, partial in sorted(running.items()):
+            of = f" of {partial['planned_steps']}" if partial.get("planned_steps") else ""
+            parts.append(f"seed {seed} training (step {partial['steps']}{of})")
+        parts.append(f"not started {waiting}" if waiting else None)
+        totals["finished"] += len(done)
+        totals["training"] += len(running)
+        totals["not started"] += len(waiting)
+        lines.append(f"  {name}: " + "; ".join(p for p in parts if p))
+    print(f"{spec.get('name', out_dir.name)} ({out_dir}): "
+          + ", ".join(f"{count} {state}" for state, count in totals.items()) + f" of {len(spec['runs'])} runs × seeds {seeds}")
+    print("\n".join(lines))
     return 0
 
 
@@ -78,6 +112,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     agg.add_argument("--in-training", action="store_true",
                      help="also show, in the gaps section, the runs still training here (read from their logs)")
     agg.set_defaults(fn=cmd_aggregate)
+    status = sub.add_parser("status", help="which (run, seed)s finished, which train here (and at which step), which wait")
+    status.add_argument("out_dir")
+    status.set_defaults(fn=cmd_status)
     show = sub.add_parser("show", help="print the study's runs as their parts resolve them (nothing is trained)")
     show.add_argument("study", help="study YAML")
     show.set_defaults(fn=cmd_show)

@@ -482,7 +482,7 @@ def test_a_study_page_tables_and_plots_each_runs_gap_to_its_gaps_baselines_step_
     assert "## Gaps during training" not in aggregate(tmp_path).read_text()
 
 
-def test_a_study_page_shows_the_runs_still_training_from_their_logs_when_asked(tmp_path):
+def test_a_study_page_shows_the_runs_still_training_from_their_logs_when_asked(tmp_path, capsys):
     source = REPO / "experiments" / "attribution"
     shutil.copytree(source / "runs", tmp_path / "runs")
     spec = json.loads((source / "study.json").read_text())
@@ -512,6 +512,19 @@ def test_a_study_page_shows_the_runs_still_training_from_their_logs_when_asked(t
     assert f"{4.80 - dense_50:+.3f} (1)" in cells and len([c for c in cells if c != "–"]) == 1  # step 100 not redone
     # The in-training row is in no other table: the runs table still counts the seeds that finished.
     assert readme.split("## Gaps during training")[0] == plain.split("## Gaps during training")[0]
+
+    # `study.py status` reads the same logs: the seeds that finished, the one training and its step, none waiting.
+    from experiments.study import main as study_main
+
+    capsys.readouterr()  # what aggregate printed
+    study_main(["status", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert f"  {name}: finished [1, 2]; seed 0 training (step 70 of 200)\n" in out
+    assert "  dense: finished [0]; not started [1, 2]\n" in out
+    finished = sum(len(results) for results in runs.values())
+    waiting = len(spec["runs"]) * len(spec["seeds"]) - finished - 1
+    assert f": {finished} finished, 1 training, {waiting} not started of {len(spec['runs'])} runs" in out.splitlines()[0]
+    assert study_main(["status", str(tmp_path / "runs")]) == 2 and "study.json not found" in capsys.readouterr().err
 
 
 def _scored(seed, windows, flops=0.8):
