@@ -460,7 +460,9 @@ def main(argv=None) -> int:
             plan[key] = [(args.batch or b, args.seq or T) for b, T in plan[key][:1]]
         plan["decode"] = (args.batch or plan["decode"][0], *plan["decode"][1:])
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 checks in fp32
-    out_dir = results_dir(args.out, Path(__file__).parent / "results" / f"gpu_{args.size}", overwrite=args.overwrite)
+    # (the compiled section writes OUT/compiled/: a folder holding that alone is refused here too, not an hour in)
+    out_dir = results_dir(args.out, Path(__file__).parent / "results" / f"gpu_{args.size}", overwrite=args.overwrite,
+                          names=("results.json", "compiled/results.json"))
     out_dir.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
 

@@ -503,6 +503,11 @@ def test_a_benchmark_never_replaces_committed_results_unasked(tmp_path):
         with pytest.raises(SystemExit, match="already holds results.json: pass --overwrite"):
             main()
     assert (kept / "results.json").read_text() == '{"kept": true}' and sorted(kept.iterdir()) == [kept / "results.json"]
+    (kept / "results.json").rename(kept / "compiled.json")  # the GPU script also guards the compiled run it starts
+    (kept / "compiled").mkdir()
+    (kept / "compiled" / "results.json").write_text("{}")
+    with pytest.raises(SystemExit, match="already holds compiled/results.json"):
+        gpu.main(["--size", "tiny", "--device", "cpu", "--out", str(kept)])
     assert results_dir(kept, tmp_path / "unused", overwrite=True) == kept
     assert results_dir(tmp_path / "empty", tmp_path / "unused") == tmp_path / "empty"
 
