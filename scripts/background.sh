@@ -22,6 +22,13 @@ live_groups() {  # NAME PGID of every job whose process group still has a proces
     done
 }
 
+# A process's scheduling group as the kernel shows it; some kernels have the file but leave it empty.
+autogroup_of() {  # PID WHAT-TO-SAY-IF-UNREADABLE
+    local group
+    group=$(cat "/proc/$1/autogroup" 2>/dev/null) || { echo "$2"; return; }
+    echo "${group:-no autogroup shown}"
+}
+
 case "${1:-}" in
     start)
         [ $# -ge 3 ] || { echo "usage: $0 start NAME COMMAND..." >&2; exit 2; }
@@ -43,7 +50,7 @@ case "${1:-}" in
         if [ "$(ps -o sid= -p "$pid" 2>/dev/null | tr -d ' ')" = "$pid" ] && [ -w "/proc/$pid/autogroup" ]; then
             echo 19 > "/proc/$pid/autogroup"
         fi
-        echo "== $name: process group $pid, $(cat "/proc/$pid/autogroup" 2>/dev/null || echo 'no autogroup'), log $dir/$name.log"
+        echo "== $name: process group $pid, $(autogroup_of "$pid" 'no autogroup'), log $dir/$name.log"
         ;;
     pause|resume)
         signal=$([ "$1" = pause ] && echo STOP || echo CONT)
@@ -52,7 +59,7 @@ case "${1:-}" in
     status)
         live_groups | while read -r name pgid; do
             state=$(ps -o stat= -p "$pgid" 2>/dev/null | cut -c1 || true)
-            echo "$name: process group $pgid$([ "$state" = T ] && echo ' (paused)'), $(cat "/proc/$pgid/autogroup" 2>/dev/null || echo 'leader gone')"
+            echo "$name: process group $pgid$([ "$state" = T ] && echo ' (paused)'), $(autogroup_of "$pgid" 'leader gone')"
         done
         ;;
     *)
