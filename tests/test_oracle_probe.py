@@ -185,3 +185,32 @@ def test_the_shapes_are_the_studys_and_those_the_committed_probe_measured():
     every_other = probe.shape_of_model("x", tiny)
     assert (every_other.routed, every_other.capacity, every_other.dropped) == ((1, 3), [0.5, 0.5], ())
     assert every_other.skipped_tokens_write_kv is False
+
+
+def test_a_skipped_update_computed_from_the_layer_input_is_applied_where_the_layer_does_not_run():
+    """A dropped layer given its own block's update back is the dense model; the fitted affine map recovers an
+    update that is exactly affine in the normalised input, and beats the mean on the layer it was fitted to."""
+    probe, dense, tokens = load_probe(), build_tiny("dense"), windows()
+    with torch.no_grad():
+        block_update = {i: (lambda h, layer=dense.layers[i]: layer(h) - h) for i in (1, 2)}
+        restored = probe.shape_loss(dense, tokens, probe.Shape("drop", dropped=(1, 2)), "oracle", 2, 0,
+                                    skip_updates=block_update)
+        assert math.isclose(restored["loss"], model_loss(dense, tokens), rel_tol=1e-5)
+
+        generator = torch.Generator().manual_seed(0)
+        inputs = torch.randn(500, 8, generator=generator) * 3
+        weight, bias = torch.randn(8, 8, generator=generator), torch.randn(8, generator=generator)
+        sums = probe.SkippedUpdateSums()
+        sums.add(4, probe.rms_normalised(inputs) @ weight.T + bias, inputs)
+        fitted = sums.linear_maps(ridge=1e-6)[4]
+        probe_inputs = torch.randn(2, 5, 8, generator=generator)
+        expected = probe.rms_normalised(probe_inputs) @ weight.T + bias
+        torch.testing.assert_close(fitted(probe_inputs), expected, atol=1e-3, rtol=1e-3)
+        assert torch.allclose(sums.means()[4], (probe.rms_normalised(inputs) @ weight.T + bias).mean(0), atol=1e-5)
+
+        shape = probe.Shape("drop", dropped=(2,))
+        fit = probe.SkippedUpdateSums()
+        probe.shape_loss(dense, tokens, shape, "oracle", 2, 0, skipped_sums=fit)
+        losses = {name: probe.shape_loss(dense, tokens, shape, "oracle", 2, 0, skip_updates=updates)["loss"]
+                  for name, updates in (("none", None), ("mean", fit.means()), ("linear", fit.linear_maps(1e-2)))}
+    assert losses["linear"] < losses["mean"] < losses["none"], losses

@@ -197,21 +197,57 @@ def executed_positions(update_norm: torch.Tensor, capacity: float, selection: st
 
 
 class SkippedUpdateSums:
-    """Running sum and count, per layer, of the true update ``block(x_t) − x_t`` [d] of the tokens a layer does
-    not run (a dropped layer: every token but the first, whose attention-sink update is outsized; a routed
-    layer: the tokens not selected). ``means()`` gives the mean skipped update per layer."""
+    """Running sums, per layer, of the true update ``block(x_t) − x_t`` [d] of the tokens a layer does not run (a
+    dropped layer: every token but the first, whose attention-sink update is outsized; a routed layer: the tokens
+    not selected). ``means()`` gives the mean skipped update per layer; where the inputs ``x_t`` were added too,
+    ``linear_maps()`` gives the least-squares affine map from the normalised input to the update."""
 
     def __init__(self) -> None:
         self.sums: Dict[int, torch.Tensor] = {}
         self.counts: Dict[int, int] = {}
+        self.gram: Dict[int, torch.Tensor] = {}  # [d+1, d+1]: Σ z zᵀ, z = (rms(x), 1)
+        self.cross: Dict[int, torch.Tensor] = {}  # [d+1, d]: Σ z Δᵀ
 
-    def add(self, layer: int, updates: torch.Tensor) -> None:
-        """``updates`` [n, d]: the true updates of n skipped tokens."""
+    def add(self, layer: int, updates: torch.Tensor, inputs: Optional[torch.Tensor] = None) -> None:
+        """``updates`` [n, d]: the true updates of n skipped tokens; ``inputs`` [n, d]: those tokens' layer inputs."""
         self.sums[layer] = self.sums.get(layer, 0) + updates.double().sum(0)
         self.counts[layer] = self.counts.get(layer, 0) + updates.shape[0]
+        if inputs is not None:
+            z = _with_one(rms_normalised(inputs).double())
+            self.gram[layer] = self.gram.get(layer, 0) + z.T @ z
+            self.cross[layer] = self.cross.get(layer, 0) + z.T @ updates.double()
 
     def means(self) -> Dict[int, torch.Tensor]:
         return {layer: (total / self.counts[layer]).float() for layer, total in self.sums.items()}
+
+    def linear_maps(self, ridge: float) -> Dict[int, "AffineUpdate"]:
+        """Per layer, ``argmin_{W,b} Σ ‖Δ_t − W·rms(x_t) − b‖² + ridge·‖W‖²`` over the tokens added with inputs."""
+        maps = {}
+        for layer, gram in self.gram.items():
+            penalty = ridge * torch.eye(len(gram), dtype=gram.dtype)
+            penalty[-1, -1] = 0.0  # the bias is not shrunk
+            maps[layer] = AffineUpdate(torch.linalg.solve(gram + penalty, self.cross[layer]).float())
+        return maps
+
+
+def rms_normalised(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """``x / rms(x)`` over the last dimension (an RMSNorm without its scale)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _with_one(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1)
+
+
+class AffineUpdate:
+    """An update predicted from the layer input: ``[..., d] → [..., d]``, ``W·rms(x) + b`` with ``solution``
+    ``[d+1, d]`` stacking ``Wᵀ`` over ``b``."""
+
+    def __init__(self, solution: torch.Tensor) -> None:
+        self.solution = solution
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _with_one(rms_normalised(x)) @ self.solution.to(x.dtype)
 
 
 @torch.no_grad()
@@ -220,9 +256,10 @@ def shape_loss(model, windows: torch.Tensor, shape: Shape, selection: str, batch
                skipped_sums: Optional[SkippedUpdateSums] = None) -> Dict:
     """Mean next-token loss over ``windows`` [n, T] of the pretrained model run in ``shape``; executed share.
 
-    ``skip_updates`` {layer: [d]}: a constant update that the tokens a dropped or routed layer does not run
-    receive instead of nothing (``skip_update: bias`` with that value). ``skipped_sums``: filled with the true
-    updates of those tokens (runs the dropped layers' blocks too, to measure them)."""
+    ``skip_updates`` {layer: [d] or a callable [b, T, d] → [b, T, d]}: what the tokens a dropped or routed layer
+    does not run receive instead of nothing: a constant update (``skip_update: bias`` with that value) or one
+    computed from the layer input (an :class:`AffineUpdate`). ``skipped_sums``: filled with the true updates of
+    those tokens and their inputs (runs the dropped layers' blocks too, to measure them)."""
     capacity = shape.capacity_of()
     skip_updates = skip_updates or {}
     generator = torch.Generator().manual_seed(seed)
@@ -234,9 +271,9 @@ def shape_loss(model, windows: torch.Tensor, shape: Shape, selection: str, batch
             if i in shape.dropped:
                 offered += b * seq_len
                 if skipped_sums is not None:
-                    skipped_sums.add(i, (layer(h) - h)[:, 1:].flatten(0, 1))
+                    skipped_sums.add(i, (layer(h) - h)[:, 1:].flatten(0, 1), h[:, 1:].flatten(0, 1))
                 if i in skip_updates:
-                    h = h + skip_updates[i]
+                    h = h + _skip_update(skip_updates[i], h)
                 continue
             if i not in capacity:
                 h = layer(h)
@@ -246,14 +283,14 @@ def shape_loss(model, windows: torch.Tensor, shape: Shape, selection: str, batch
             index = positions.unsqueeze(-1).expand(-1, -1, h.size(-1))
             skipped = torch.ones(b, seq_len, dtype=torch.bool, device=h.device).scatter(1, positions, False)
             if skipped_sums is not None:
-                skipped_sums.add(i, (full - h)[skipped])
+                skipped_sums.add(i, (full - h)[skipped], h[skipped])
             if shape.skipped_tokens_write_kv:
                 update = full.gather(1, index)
             else:
                 # the executed tokens alone: their own keys/values, RoPE at their original positions
                 update = layer(h.gather(1, index), input_pos=positions)
             if i in skip_updates:
-                h = h + skip_updates[i] * skipped.unsqueeze(-1)
+                h = h + _skip_update(skip_updates[i], h) * skipped.unsqueeze(-1)
             h = h.scatter(1, index, update)
             executed += positions.numel()
             offered += b * seq_len
@@ -261,6 +298,10 @@ def shape_loss(model, windows: torch.Tensor, shape: Shape, selection: str, batch
         total += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
         count += batch[:, 1:].numel()
     return {"loss": total / count, "executed_share_of_routed_and_dropped": executed / offered if offered else None}
+
+
+def _skip_update(update, h: torch.Tensor) -> torch.Tensor:
+    return update(h) if callable(update) else update
 
 
 def stt_teacher_at_init(stt_cfg, shape: Shape, windows: torch.Tensor, batch_size: int) -> Dict:
