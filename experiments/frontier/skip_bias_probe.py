@@ -7,12 +7,18 @@ the skipped tokens of each dropped or routed layer the mean true update of the s
 training text in the same shape and with the same token choice, and compares held-out loss with and without it.
 ``skip_update: bias`` learns that constant (from zero) in training; this is what its ideal starting value buys.
 
+A third column gives the skipped tokens an update predicted from their own layer input instead, the affine map
+``W·rms(x) + b`` fitted by least squares (ridge ``--ridge`` on ``W``) to the same tokens' true updates on the same
+training windows (about a tenth of a SmolLM2 block's FLOPs per token it serves; no such option exists in the model
+yet: this measures whether one should, see ``experiments/probes/dropped_layer_replacement.py`` for what is left of
+it after training).
+
 Shapes and token choices are :mod:`oracle_probe`'s (hindsight and random); the means are measured on
 ``--train-text`` windows, the losses on the study's held-out windows.
 
     python experiments/frontier/skip_bias_probe.py --config configs/quickstart/dense_smollm2.yaml \
         --train-text quickstart_work/corpus/train.jsonl --text quickstart_work/corpus/heldout.jsonl \
-        --windows 16 --seq-len 256 \
+        --windows 16 --seq-len 256 --linear-rounds 3 \
         --json experiments/frontier/skip_bias_probe.json --markdown experiments/frontier/skip_bias_probe.md
 """
 
@@ -36,17 +42,29 @@ PROBED = ("layerdrop_4", "stt_d2_bi5", "stt_bi8_graded", "layerdrop_7", "stt_d4_
 
 
 def markdown(probe) -> str:
-    lines = ["# The mean skipped update, before training", "",
+    lines = ["# The mean skipped update (and a fitted linear one), before training", "",
              "Written by `python experiments/frontier/skip_bias_probe.py` (its docstring says what it does): the "
              "pretrained model with no training in the study's shapes; `none`: skipped tokens get nothing (as "
              "trained so far); `mean update`: the tokens each dropped or routed layer does not run get the mean "
              f"true update of those tokens, measured on {probe['windows']} windows of `{probe['train_text']}` in the "
-             f"same shape and token choice. Held-out loss per token on {probe['windows']} windows of "
-             f"{probe['seq_len']} tokens of `{probe['text']}`.", "",
-             "| shape | selection | none | mean update | difference |", "|---|---|---|---|---|"]
+             f"same shape and token choice; `linear`: they get `W·rms(x) + b` of their own layer input, fitted by "
+             f"least squares (ridge {probe['ridge']}) to the same tokens' true updates, once on the trajectory without "
+             f"any stand-in (`linear`), and refitted {probe['linear_rounds'] - 1} more times, each on the trajectory "
+             f"with the previous fit's maps applied, so a later layer's map sees the inputs it will get (`refitted`). "
+             f"Held-out loss per token on {probe['windows']} windows of {probe['seq_len']} tokens of "
+             f"`{probe['text']}`.", "",
+             "| shape | selection | none | mean update | difference | linear | difference | refitted | difference |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in probe["rows"]:
+        linear = (f"{r['linear']:.3f} | {r['linear'] - r['none']:+.3f} | {r['linear_refitted']:.3f} | "
+                  f"{r['linear_refitted'] - r['none']:+.3f}" if "linear" in r else "— | | — |")
         lines.append(f"| {r['shape']['name']} | {r['selection']} | {r['none']:.3f} | {r['mean_update']:.3f} | "
-                     f"{r['mean_update'] - r['none']:+.3f} |")
+                     f"{r['mean_update'] - r['none']:+.3f} | {linear} |")
+    missing = sum("linear" not in r for r in probe["rows"])
+    if missing:
+        lines += ["", f"**Partial**: the linear columns of {missing} rows are not measured yet (their `none` and "
+                      f"`mean update` are from the probe's earlier run, which had no linear columns; the same "
+                      f"numbers, as the rows measured again reproduce them to the digit)."]
     return "\n".join(lines) + "\n"
 
 
@@ -59,6 +77,12 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random selection")
+    parser.add_argument("--ridge", type=float, default=1e-2, help="ridge penalty of the linear fit's W")
+    parser.add_argument("--linear-rounds", type=int, default=3,
+                        help="fits of the linear maps: each after the first refits every layer on the trajectory "
+                             "with the previous fit's maps applied (its inputs as deployed)")
+    parser.add_argument("--shapes", nargs="+", default=list(PROBED),
+                        help="probe only these shapes, replacing their rows in an existing --json")
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
@@ -68,19 +92,41 @@ def main(argv=None):
     train = heldout_windows(tokenizer, args.train_text, args.seq_len, args.windows)
     held = heldout_windows(tokenizer, args.text, args.seq_len, args.windows)
     rows = []
-    for shape in (s for s in SHAPES if s.name in PROBED):
+    for shape in (s for s in SHAPES if s.name in args.shapes):
         for selection in SELECTIONS if shape.routed else ("oracle",):
             sums = SkippedUpdateSums()
             shape_loss(model, train, shape, selection, args.batch_size, args.seed, skipped_sums=sums)
             none = shape_loss(model, held, shape, selection, args.batch_size, args.seed)["loss"]
             mean = shape_loss(model, held, shape, selection, args.batch_size, args.seed,
                               skip_updates=sums.means())["loss"]
+            maps = sums.linear_maps(args.ridge)
+            linear = shape_loss(model, held, shape, selection, args.batch_size, args.seed, skip_updates=maps)["loss"]
+            for _ in range(args.linear_rounds - 1):
+                refit = SkippedUpdateSums()
+                shape_loss(model, train, shape, selection, args.batch_size, args.seed, skip_updates=maps,
+                           skipped_sums=refit)
+                maps = refit.linear_maps(args.ridge)
+            refitted = shape_loss(model, held, shape, selection, args.batch_size, args.seed, skip_updates=maps)["loss"]
             rows.append({"shape": asdict(shape), "selection": selection if shape.routed else "all", "none": none,
-                         "mean_update": mean,
+                         "mean_update": mean, "linear": linear, "linear_refitted": refitted,
                          "mean_update_norm": {str(i): float(v.norm()) for i, v in sums.means().items()}})
-            print(f"{shape.name:14s} {selection:7s} none {none:.3f} mean update {mean:.3f}", flush=True)
+            print(f"{shape.name:14s} {selection:7s} none {none:.3f} mean update {mean:.3f} linear {linear:.3f} "
+                  f"refitted {refitted:.3f}", flush=True)
+            write(args, rows)
+
+
+def write(args, rows) -> None:
+    """The probe's JSON (and markdown), rewritten after every row; with ``--shapes`` a subset of the shapes
+    replaces its rows in the existing JSON of the same settings."""
     probe = {"config": args.config, "train_text": str(args.train_text), "text": str(args.text),
-             "windows": args.windows, "seq_len": args.seq_len, "seed": args.seed, "rows": rows}
+             "windows": args.windows, "seq_len": args.seq_len, "seed": args.seed, "ridge": args.ridge,
+             "linear_rounds": args.linear_rounds, "rows": rows}
+    if set(args.shapes) != set(PROBED) and args.json.exists():
+        earlier = json.loads(args.json.read_text())
+        if {k: v for k, v in earlier.items() if k != "rows"} != {k: v for k, v in probe.items() if k != "rows"}:
+            raise SystemExit(f"{args.json} holds a probe with other settings: probe every shape, or another --json")
+        new = {(r["shape"]["name"], r["selection"]): r for r in rows}
+        probe["rows"] = [new.pop((r["shape"]["name"], r["selection"]), r) for r in earlier["rows"]] + list(new.values())
     args.json.write_text(json.dumps(probe, indent=1))
     if args.markdown:
         args.markdown.write_text(markdown(probe))
