@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torchtune import config
 
+from experiments.frontier.oracle_probe import SkippedUpdateSums, rms_normalised
+from experiments.pages import fmt_mean_std
 from torchtune_dtf import closed_form
 from torchtune_dtf.atomic_write import atomic_write_text
 from torchtune_dtf.evaluation.routing_report import heldout_windows, load_trained
@@ -43,10 +45,6 @@ OUT = Path("experiments/probes/dropped_layer_replacement.json")
 SEQ_LEN = 256
 
 
-def rms(hidden: torch.Tensor) -> torch.Tensor:
-    return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-5)
-
-
 class Replacement(torch.nn.Module):
     """``x + W·rms(x) + b`` for ``x`` of shape ``[b, s, d]``."""
 
@@ -55,35 +53,31 @@ class Replacement(torch.nn.Module):
         self.proj = torch.nn.Linear(dim, dim)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.proj(rms(hidden))
+        return hidden + self.proj(rms_normalised(hidden))
 
 
 @torch.no_grad()
 def fit(dense, windows: torch.Tensor, dropped: List[int], *, with_matrix: bool, ridge: float) -> torch.nn.ModuleDict:
-    """Per dropped layer, the least-squares ``(W, b)`` of its update on the dense trajectory over ``windows``."""
-    gram: Dict[int, torch.Tensor] = {}
-    cross: Dict[int, torch.Tensor] = {}
+    """Per dropped layer, the least-squares ``(W, b)`` of its update on the dense trajectory over ``windows`` (every
+    token); without ``with_matrix`` only ``b``, the mean update."""
+    sums = SkippedUpdateSums()
     for batch in windows.split(4):
         hidden = dense.tok_embeddings(batch)
         for index, layer in enumerate(dense.layers):
             out = layer(hidden)
             if index in dropped:
-                x = rms(hidden).reshape(-1, hidden.shape[-1]).double()
-                x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1) if with_matrix else torch.ones(len(x), 1, dtype=x.dtype)
-                update = (out - hidden).reshape(len(x), -1).double()
-                gram[index] = gram.get(index, 0) + x.T @ x
-                cross[index] = cross.get(index, 0) + x.T @ update
+                sums.add(index, (out - hidden).flatten(0, 1), hidden.flatten(0, 1) if with_matrix else None)
             hidden = out
+    maps, means = (sums.linear_maps(ridge) if with_matrix else {}), sums.means()
     modules = torch.nn.ModuleDict()
     for index in dropped:
         module = Replacement(dense.tok_embeddings.embedding_dim)
         torch.nn.init.zeros_(module.proj.weight)
-        penalty = ridge * torch.eye(len(gram[index]), dtype=torch.float64)
-        penalty[-1, -1] = 0.0  # the bias is not shrunk
-        solution = torch.linalg.solve(gram[index] + penalty, cross[index]).float()
         if with_matrix:
-            module.proj.weight.copy_(solution[:-1].T)
-        module.proj.bias.copy_(solution[-1])
+            module.proj.weight.copy_(maps[index].solution[:-1].T)
+            module.proj.bias.copy_(maps[index].solution[-1])
+        else:
+            module.proj.bias.copy_(means[index])
         modules[str(index)] = module
     return modules
 
@@ -201,9 +195,7 @@ def summary(results: dict) -> str:
         by_arm.setdefault(row["arm"], {})[row["seed"]] = row
 
     def stats(values: List[float]) -> str:
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else float("nan")
-        return f"{mean:.3f} ± {std:.3f}" if len(values) > 1 else f"{mean:.3f}"
+        return fmt_mean_std(values, 3)
 
     lines = [f"Dropped layers {results['dropped_layers']} (planner order), {steps} distilled steps of 4 × "
              f"{results['seq_len']} tokens, validation {results['validation_windows']} × {results['seq_len']}; "
