@@ -82,7 +82,7 @@ def test_layerdrop_with_skip_bias_adds_each_dropped_layers_vector_to_every_token
 
 
 def test_layerdrop_refuses_a_forecast_it_does_not_have():
-    with pytest.raises(ValueError, match="layerdrop's skip_update must be 'none' or 'bias'"):
+    with pytest.raises(ValueError, match="layerdrop's skip_update must be 'none', 'bias' or 'linear'"):
         routed_qwen2("layerdrop", **tiny_architecture(), dropped_layers=[1], skip_update="predicted")
 
 

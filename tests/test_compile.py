@@ -27,6 +27,7 @@ SHAPES = {
     "papers": {},
     "recommended": dict(skipped_tokens_write_kv=True, skip_update="bias", always_run_first_token=True),
     "forecast": dict(skipped_tokens_write_kv=True, skip_update="predicted"),
+    "linear": dict(skipped_tokens_write_kv=True, skip_update="linear", always_run_first_token=True),
 }
 DROPPED = {"mod": dict(dropped_layers=[2]), "stt": dict(dropped_layers=[2]), "sdt": dict(routed_layers=[3], dropped_layers=[1])}
 
@@ -35,7 +36,14 @@ def build(variant, shape, **overrides):
     kwargs = dict(SHAPES[shape], **overrides)
     if shape != "papers":
         kwargs.update(DROPPED[variant])
-    return build_tiny(variant, **kwargs)
+    model = build_tiny(variant, **kwargs)
+    if shape == "linear":  # maps that are not zero (their start), so what they add is compared too
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".skip_linear." in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.3 / param.shape[-1] ** 0.5)
+    return model
 
 
 def causal_masks(max_len=MAX_LEN):
@@ -118,7 +126,8 @@ def fresh_dynamo():
 
 
 # The forecast on the skip path exists for STT only (its TPN predicts the block's own update).
-CASES = [(variant, shape) for variant in ROUTED_VARIANTS for shape in ("papers", "recommended")] + [("stt", "forecast")]
+CASES = [(variant, shape) for variant in ROUTED_VARIANTS for shape in ("papers", "recommended")] + [
+    ("stt", "forecast"), ("stt", "linear")]
 
 
 @pytest.mark.parametrize("variant, shape", CASES)
@@ -231,6 +240,9 @@ BATCH1_CASES = [
 ] + [
     # STT's forecast, computed in the skip branch only, reads the output the cache carries from the step before.
     ("stt", "forecast", student, "aot_eager") for student in sorted(COUNTED_STUDENTS)
+] + [
+    # The skip linear map of the token's own input, computed in the skip branch only.
+    ("stt", "linear", student, "aot_eager") for student in sorted(COUNTED_STUDENTS)
 ] + [
     # Inductor itself: the branching step reads and overwrites the router's carried term in one graph, the
     # pattern its CPU fusion failed on (pytorch/pytorch#188228) unless the read goes through ``carried_copy``.

@@ -32,7 +32,9 @@ STT_DEPLOYED = {
 }
 #: The papers' setting: SDT with a threshold student, skipped tokens write no K/V (the selective cache's gaps).
 SDT_PAPERS = {"model._component_": "torchtune_dtf.models.qwen2_5.sdt_qwen2_5_tiny"}
-DEPLOYED = {"stt_window_topk_kv_kept": STT_DEPLOYED, "sdt_threshold_kv_skipped": SDT_PAPERS}
+#: The recommended shape with the skip linear map on a dropped layer and the routed layers' skipped tokens.
+STT_LINEAR = {**STT_DEPLOYED, "model.skip_update": "linear", "model.routed_layers": [1], "model.dropped_layers": [2]}
+DEPLOYED = {"stt_window_topk_kv_kept": STT_DEPLOYED, "sdt_threshold_kv_skipped": SDT_PAPERS, "stt_linear_maps": STT_LINEAR}
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,9 @@ Variants and technique options (model config keys; an absent key means the behav
   the predictor modules). In training (teacher mode) the predictor already runs on every token.
 * ``skip_update: bias``: each skipped token adds the layer's learned d-vector, an elementwise add like the
   residual adds (not counted as FLOPs); its d parameters per layer are read at inference.
+* ``skip_update: linear``: each skipped token (every token, at a dropped layer) runs the layer's affine map of its
+  normalised input, ``2·d²`` FLOPs (the matmul; normalisation and bias add are elementwise), counted in
+  ``routers``; its ``d² + d`` parameters per layer are read at inference.
 * The causal (student) router runs on every token of every routed layer of mod/sdt/stt; MoD's linear router
   runs at inference only when its gate is ``scaled`` (it gives σ(r)); in training it always runs.
 * Recipe key ``distillation: {weight, temperature}`` with weight > 0 adds a frozen dense teacher forward per
@@ -130,7 +133,8 @@ class RoutingShape:
     predictor_width: int = 0  # PriorFFN/TPN width d_p (SDT/STT)
     dropped_layers: Tuple[int, ...] = ()  # layerdrop: layers that run on no token
     skipped_tokens_write_kv: bool = False  # skipped tokens still project and write K/V; queries see every token
-    skip_update: str = "none"  # "none" | "predicted" (the TPN/PriorFFN forecast) | "bias" (a learned d-vector)
+    # "none" | "predicted" (the TPN/PriorFFN forecast) | "bias" (a learned d-vector) | "linear" (W·rms(x) + b)
+    skip_update: str = "none"
     mod_router_at_inference: bool = True  # MoD: the router runs in student mode (gate "scaled")
 
     @classmethod
@@ -170,12 +174,22 @@ class RoutingShape:
 
     def router_params_per_layer(self, shape: ModelShape) -> int:
         """Parameters of the routers a routed layer reads at inference (causal router, MoD router, and the
-        TPN/PriorFFN with ``skip_update: predicted``, the skip bias with ``skip_update: bias``)."""
+        TPN/PriorFFN with ``skip_update: predicted``, the skip bias or linear map with ``skip_update: bias`` /
+        ``linear``)."""
         d, h = shape.embed_dim, self.router_hidden
         causal = d + self.router_inputs * d * h + h + h + 1 if self.has_causal_router else 0
         mod = d if self.variant == "mod" and self.mod_router_at_inference else 0
-        skip_bias = shape.embed_dim if self.skip_update == "bias" else 0
-        return causal + mod + skip_bias + (self.predictor_params(shape) if self.predicts_skipped else 0)
+        predictor = self.predictor_params(shape) if self.predicts_skipped else 0
+        return causal + mod + self.skip_update_params(shape) + predictor
+
+    def skip_update_params(self, shape: ModelShape) -> int:
+        """Parameters of one layer's skip bias (d) or skip linear map (d² + d); 0 for the other skip updates."""
+        d = shape.embed_dim
+        return {"bias": d, "linear": d * d + d}.get(self.skip_update, 0)
+
+    def skip_map_flops_per_token(self, shape: ModelShape) -> int:
+        """The skip linear map's matmul per token it serves (``skip_update: linear``): 2·d²; else 0."""
+        return 2 * shape.embed_dim * shape.embed_dim if self.skip_update == "linear" else 0
 
     @property
     def predicts_skipped(self) -> bool:
@@ -229,10 +243,12 @@ def forward_flops(
     dropped = set(routing.dropped_layers)
     out = dict(block_linear=0, attention=0, lm_head=0, routers=0, teacher_pass=0)
     for layer in range(shape.num_layers):
-        if layer in dropped:
-            continue  # layerdrop: the layer runs on no token
+        if layer in dropped:  # the layer runs on no token; its skip linear map (if any) on every token
+            out["routers"] += T * routing.skip_map_flops_per_token(shape)
+            continue
         if layer in gammas:
             k = selected.get(layer, num_selected(gammas[layer], T))
+            out["routers"] += (T - k) * routing.skip_map_flops_per_token(shape)
             out["block_linear"] += k * shape.block_linear_flops_per_token
             if routing.skipped_tokens_write_kv:
                 # Skipped tokens still project k, v (and write them); selected queries attend over every token.
@@ -345,6 +361,7 @@ def decode_step_bytes(
     traffic = DecodeStepTraffic()
     for layer in range(shape.num_layers):
         if layer in routing.dropped_layers:
+            traffic.routers += routing.skip_update_params(shape) * bpv  # its skip bias or linear map, if any
             continue
         if layer in gammas:
             g = gammas[layer]
@@ -396,6 +413,7 @@ def decode_step_flops(
     total = 0.0
     for layer in range(shape.num_layers):
         if layer in routing.dropped_layers:
+            total += batch * routing.skip_map_flops_per_token(shape)
             continue
         if layer in gammas:
             g = gammas[layer]
@@ -408,6 +426,7 @@ def decode_step_flops(
                 total += (batch - running) * routing.kv_projection_flops_per_token(shape)
             if routing.predicts_skipped:
                 total += (batch - running) * routing.predictor_flops_per_token(shape)
+            total += (batch - running) * routing.skip_map_flops_per_token(shape)
         else:
             total += batch * (shape.block_linear_flops_per_token + attn_per_key * context)
     return total + batch * shape.lm_head_flops_per_token

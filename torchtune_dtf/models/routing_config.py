@@ -59,7 +59,8 @@ RANDOM_KEYS = ("routed_layers", "capacity", "always_run_first_token", "skipped_t
 REQUIRED_KEYS = {
     "dense": (),
     # Static layer dropping (a baseline): the listed layers run on no token (their weights stay loaded);
-    # with skip_update "bias" every token receives each dropped layer's learned constant update instead.
+    # with skip_update "bias" / "linear" every token receives each dropped layer's learned constant update / affine
+    # map of its input instead.
     "layerdrop": ("dropped_layers", "skip_update"),
     "random": RANDOM_KEYS,
     "mod": COMMON_KEYS,
@@ -194,8 +195,8 @@ def validate_routing(variant: str, num_layers: int, *, for_builder: bool = True,
         if variant == "layerdrop" and "dropped_layers" in routing and not dropped and not problems and for_builder:
             problems.append("dropped_layers resolves to no layer; use variant 'dense' for a dense model")
         skip_update = routing.get("skip_update")
-        if variant == "layerdrop" and "skip_update" in routing and skip_update not in ("none", "bias"):
-            problems.append(f"layerdrop's skip_update must be 'none' or 'bias' (a dropped layer has no forecast), "
+        if variant == "layerdrop" and "skip_update" in routing and skip_update not in ("none", "bias", "linear"):
+            problems.append(f"layerdrop's skip_update must be 'none', 'bias' or 'linear' (a dropped layer has no forecast), "
                             f"got {skip_update!r}")
         if problems:
             raise ValueError("Invalid routing configuration:\n  - " + "\n  - ".join(problems))

@@ -10,7 +10,7 @@ from torchtune_dtf.modules.layers import (
     SDTDynamicLayer,
     STTLayer,
 )
-from torchtune_dtf.modules.predictors import PriorFFN, ResidualPredictor, SkipBias, predictor_width
+from torchtune_dtf.modules.predictors import PriorFFN, ResidualPredictor, SkipBias, SkipLinear, predictor_width
 from torchtune_dtf.modules.routed_block import routed_block_forward
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, previous_token_states
 from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext

@@ -4,7 +4,7 @@ Each routed layer *is* a ``TransformerSelfAttentionLayer`` — torchtune dispatc
 caches, activation checkpointing, compile and FSDP wrapping — so its block weights keep the dense key
 names (``layers.3.attn.q_proj.weight``) and a stock checkpoint maps 1:1. The routing modules are extra
 children: ``mod_router``, ``causal_router``, ``transition`` (TPN), ``prior_ffn``, ``predictive_router``,
-``skip_bias``.
+``skip_bias``, ``skip_linear``.
 
 What differs between variants is only how the teacher decides (selection and gate); execution is the
 shared :func:`routed_block_forward`, and the student (causal router) is the same everywhere.
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
 
-from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias
+from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias, SkipLinear
 from torchtune_dtf.modules.routed_block import branching_decode_step, routed_block_forward
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter, carried_copy, previous_token_states
 from torchtune_dtf.modules.routing_context import LayerRouting, RoutingContext
@@ -46,7 +46,8 @@ from torchtune_dtf.modules.surprise import (
 #: and the optimizer group that trains it: the predictors of the block's update, the predictive router's
 #: offsets (o_ce, m_cu), and the routers. The skip bias (one d-vector per layer, ``skip_update: bias``) trains
 #: with the routers: like them it is a small per-layer module that starts from nothing and must move within a
-#: short fine-tune.
+#: short fine-tune. The skip linear map (``skip_update: linear``, d² + d per layer) has a group of its own,
+#: ``skip_maps``: started at a least-squares fit, it needs a backbone-like learning rate, not a router's.
 ROUTING_MODULE_GROUPS = {  # group order = the optimizer's param-group order, which checkpoints record
     "transition": "predictors",
     "prior_ffn": "predictors",
@@ -54,6 +55,7 @@ ROUTING_MODULE_GROUPS = {  # group order = the optimizer's param-group order, wh
     "mod_router": "routers",
     "causal_router": "routers",
     "skip_bias": "routers",
+    "skip_linear": "skip_maps",
 }
 ROUTING_MODULE_NAMES = tuple(ROUTING_MODULE_GROUPS)
 STUDENT_ROUTING_MODES = ("threshold", "topk", "window_topk")
@@ -61,7 +63,7 @@ TEACHER_SELECTIONS = ("topk", "threshold")
 GATE_MODES = ("scaled", "straight_through")
 #: Student modes whose number of running tokens depends on the data (read from the device once per forward).
 _COUNTED_MODES = ("threshold", "window_topk")
-SKIP_UPDATES = ("none", "predicted", "bias")
+SKIP_UPDATES = ("none", "predicted", "bias", "linear")
 
 
 def token_positions(
@@ -150,7 +152,9 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             store their K/V, so selected tokens see the whole context (see :func:`routed_block_forward`).
         skip_update (str): what a skipped token receives: ``"none"`` (it passes unchanged, the papers),
             ``"predicted"``, the variant's own forecast of the block's update (:meth:`skip_forecast`), or
-            ``"bias"``, a learned constant update (:class:`SkipBias`, child ``skip_bias``; every variant).
+            ``"bias"``, a learned constant update (:class:`SkipBias`, child ``skip_bias``; every variant), or
+            ``"linear"``, a learned affine map of the token's input (:class:`SkipLinear`, child ``skip_linear``;
+            every variant).
     """
 
     def __init__(
@@ -194,6 +198,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
         self.skip_update = skip_update
         if skip_update == "bias":
             self.skip_bias = SkipBias(attn.embed_dim)
+        elif skip_update == "linear":
+            self.skip_linear = SkipLinear(attn.embed_dim, sa_norm.eps)
         # σ(r̃) > τ compared as r̃ > logit(τ) on fp32 logits: σ rounds to 1.0 (or 0.0) long before r̃ does.
         self.student_logit_threshold = None
         if student_routing_mode == "threshold":
@@ -432,14 +438,16 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
 
     def _add_skip_update(
         self,
+        x: torch.Tensor,
         out: torch.Tensor,
         selection: Selection,
         starts: torch.Tensor,
         cache: Optional[SelectiveKVCache],
         every_row_skipped: Optional[bool],
     ) -> torch.Tensor:
-        """``out [b, s, d]`` with the skip update (``skip_update``: forecast or bias) added to the tokens that
-        ``selection`` skips; with a forecast, the routed output before it is handed to the cache first."""
+        """``out [b, s, d]`` with the skip update (``skip_update``: forecast, bias or linear map of the input
+        ``x [b, s, d]``) added to the tokens that ``selection`` skips; with a forecast, the routed output before
+        it is handed to the cache first."""
         if self.skip_update == "predicted":
             # Token t's forecast reads token t−1's output without its own forecast: one parallel pass, causal.
             previous = previous_token_states(out, starts, None if cache is None else cache.last_output)
@@ -457,6 +465,14 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 return out + self.skip_bias().to(out.dtype) * (~selection.mask)[..., None].to(out.dtype)
             if every_row_skipped:
                 return out + self.skip_bias().to(out.dtype)
+        elif self.skip_update == "linear":
+            if every_row_skipped is not None:
+                return out + self.skip_linear(x) if every_row_skipped else out
+            skipped = skipped_selection(selection)
+            if skipped is None:
+                return out + self.skip_linear(x) * (~selection.mask)[..., None].to(out.dtype)
+            if skipped.num_selected:  # the map runs on the skipped tokens only
+                return scatter_updates(out, skipped, self.skip_linear(gather_tokens(x, skipped.positions)))
         return out
 
     def _skipped_token_update(
@@ -470,6 +486,8 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
             return lambda: self.skip_forecast(previous)
         if self.skip_update == "bias":
             return lambda: self.skip_bias().to(x.dtype)
+        if self.skip_update == "linear":
+            return lambda: self.skip_linear(x)
         return None
 
     # -- forward --------------------------------------------------------------------------------
@@ -609,7 +627,7 @@ class RoutedSelfAttentionLayer(TransformerSelfAttentionLayer):
                 cache=cache,
                 skipped_tokens_write_kv=self.skipped_tokens_write_kv,
             )
-            out = self._add_skip_update(out, selection, starts, cache, every_row_skipped)
+            out = self._add_skip_update(x, out, selection, starts, cache, every_row_skipped)
         if cache is not None:
             cache.advance(x)
         if routing.mode == "student":  # the deployed router only (see routing_counts)
@@ -649,13 +667,14 @@ class RandomRoutedLayer(RoutedSelfAttentionLayer):
     and inference runs the causal rule u > 1 − γ, which executes γ of the tokens in expectation.
 
     Args:
-        skip_update (str): ``"none"`` or ``"bias"`` (see :class:`RoutedSelfAttentionLayer`).
+        skip_update (str): ``"none"``, ``"bias"`` or ``"linear"`` (see :class:`RoutedSelfAttentionLayer`).
         **kwargs: see :class:`RoutedSelfAttentionLayer` (without the student and gate arguments).
     """
 
     def __init__(self, attn, mlp, *, capacity: float, skip_update: str, **kwargs) -> None:
         if skip_update == "predicted":
-            raise ValueError("random routing has no forecast of the block's update; skip_update must be 'none' or 'bias'")
+            raise ValueError("random routing has no forecast of the block's update; skip_update must be 'none', "
+                             "'bias' or 'linear'")
         super().__init__(
             attn,
             mlp,
@@ -685,11 +704,19 @@ class DroppedLayer(TransformerSelfAttentionLayer):
 
     Its weights stay (same keys, so the pretrained checkpoint loads 1:1) but take no part in the forward.
     With ``skip_bias`` (``skip_update: bias``) every token receives that learned constant update instead:
-    ``x + b``, shapes ``[b, s, d]`` → ``[b, s, d]``."""
+    ``x + b``; with ``skip_linear`` (``skip_update: linear``) the affine map of its input, ``x + W·rms(x) + b``.
+    Shapes ``[b, s, d]`` → ``[b, s, d]``."""
 
-    def __init__(self, attn, mlp, *, sa_norm, mlp_norm, skip_bias: Optional[SkipBias] = None) -> None:
+    def __init__(
+        self, attn, mlp, *, sa_norm, mlp_norm, skip_bias: Optional[SkipBias] = None,
+        skip_linear: Optional[SkipLinear] = None,
+    ) -> None:
         super().__init__(attn=attn, mlp=mlp, sa_norm=sa_norm, mlp_norm=mlp_norm)
-        self.skip_bias = skip_bias  # None: no child, so the state dict keeps the dense keys
+        if skip_bias is not None and skip_linear is not None:
+            raise ValueError("a dropped layer takes a skip bias or a skip linear map, not both")
+        # None: no child, so the state dict keeps the dense keys
+        self.skip_bias = skip_bias
+        self.skip_linear = skip_linear
 
     def setup_caches(
         self, batch_size: int, dtype: torch.dtype, *, encoder_max_seq_len: int, decoder_max_seq_len: int
@@ -700,7 +727,9 @@ class DroppedLayer(TransformerSelfAttentionLayer):
         self.attn.setup_cache(batch_size, dtype, max_seq_len=1)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        # Nothing but the one add (a decode step runs this per dropped layer): no norm, no cache, no conversion.
+        # Nothing but the one add or map (a decode step runs this per dropped layer): no cache, no conversion.
+        if self.skip_linear is not None:
+            return x + self.skip_linear(x)
         if self.skip_bias is None:
             return x
         bias = self.skip_bias()

@@ -79,7 +79,7 @@ from torchtune_dtf.training.recipe_checks import (
 from torchtune_dtf.training.routing_losses import distillation_loss, routing_metrics, training_loss
 from torchtune_dtf.data.checks import check_local_text_files, check_text_column
 from torchtune_dtf.data.collate import padded_collate_packed_dense
-from torchtune_dtf.training.skip_bias_init import init_skip_biases
+from torchtune_dtf.training.skip_bias_init import fit_skip_linear_maps, init_skip_biases
 from torchtune_dtf.training.schedules import (
     BetaSchedule,
     CapacityCurriculum,
@@ -156,8 +156,10 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
             self._calibration_batches = cfg.student_calibration.batches
             self._calibration_rounds = cfg.student_calibration.rounds
             BetaSchedule(**cfg.beta_schedule, total_steps=1)  # its checks, before any work (total comes with the data)
-        # Absent: every skip bias starts at zero, as every run before the section existed did.
+        # Absent: every skip bias (linear map) starts at zero, as every run before the section existed did.
         self._skip_bias_init_batches = cfg.skip_bias_init.batches if "skip_bias_init" in cfg else 0
+        self._skip_update = cfg.model.get("skip_update")
+        self._skip_map_ridge = float(cfg.skip_bias_init.ridge) if self._skip_update == "linear" and self._skip_bias_init_batches else None
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
@@ -228,7 +230,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         if self._routed:
             self._beta_schedule = BetaSchedule(**cfg.beta_schedule, total_steps=self._total_steps)
         self._ignore_labels = torch.full((cfg.batch_size, 1), self._loss_fn.ignore_index, device=self._device)
-        if self._skip_bias_init_batches and not self._resume_from_checkpoint:  # a resumed run has its biases
+        if self._skip_bias_init_batches and not self._resume_from_checkpoint:  # a resumed run has its own
             self._init_skip_biases()
 
     def _setup_model(self, cfg: DictConfig, state_dict: Dict[str, Any]) -> nn.Module:
@@ -567,8 +569,16 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
     def _init_skip_biases(self) -> None:
         """Before step 0: each skip bias starts at the mean update of the tokens it stands in for, measured on the
         first ``skip_bias_init.batches`` training batches with the loaded model (a routed layer: the tokens its
-        teacher skips at step 0). See :mod:`torchtune_dtf.training.skip_bias_init`."""
+        teacher skips at step 0); each skip linear map at the ridge regression of that update on the token's input,
+        layer by layer in depth order. See :mod:`torchtune_dtf.training.skip_bias_init`."""
         batches = self._first_training_batches(self._skip_bias_init_batches)
+        if self._skip_update == "linear":
+            report = fit_skip_linear_maps(self._model, batches, lambda: self._routing_context("teacher"),
+                                          self._skip_map_ridge, all_reduce=self._distributed)
+            if self._is_rank_zero:
+                log.info(f"Skip linear maps fitted on {len(batches)} training batches (share of the update explained): "
+                         + ", ".join(f"layer {i}: {r['explained']:.3f}" for i, r in report.items()))
+            return
         norms = init_skip_biases(self._model, batches, lambda: self._routing_context("teacher"),
                                  all_reduce=self._distributed)
         if self._is_rank_zero:

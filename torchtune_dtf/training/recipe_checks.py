@@ -24,6 +24,9 @@ from torchtune_dtf.modules import ROUTING_MODULE_GROUPS
 
 #: Optimizer groups besides the backbone, each with its own learning rate: derived from the routing modules.
 PARAM_GROUPS = tuple(dict.fromkeys(ROUTING_MODULE_GROUPS.values()))
+#: Groups whose learning rate a config needs only when its model has their modules: ``skip_maps`` (the skip linear
+#: maps) exists with ``model.skip_update: linear`` alone, and every config written before it has no such key.
+GROUPS_OF_SKIP_UPDATE = {"skip_maps": "linear"}
 REQUIRED_KEYS = (
     "model",
     "tokenizer",
@@ -97,7 +100,9 @@ def validate_recipe_config(cfg: DictConfig) -> None:
         if section in cfg:
             missing += [f"{section}.{key}" for key in keys if key not in cfg[section]]
     if "learning_rates" in cfg:
-        missing += [f"learning_rates.{g}" for g in ("backbone", *PARAM_GROUPS) if g not in cfg.learning_rates]
+        needed = [g for g in ("backbone", *PARAM_GROUPS)
+                  if g not in GROUPS_OF_SKIP_UPDATE or cfg.model.get("skip_update") == GROUPS_OF_SKIP_UPDATE[g]]
+        missing += [f"learning_rates.{g}" for g in needed if g not in cfg.learning_rates]
     if "validation" in cfg:
         missing += [f"validation.{k}" for k in ("every_n_steps", "max_batches") if k not in cfg.validation]
     if missing:
@@ -165,13 +170,22 @@ def _calibration_problems(cfg: DictConfig, variant: Optional[str]) -> List[str]:
 
 
 def _skip_bias_init_problems(cfg: DictConfig) -> List[str]:
-    # Optional section (absent: the biases start at zero, as before it existed); present, it must say how many batches.
-    batches = cfg.skip_bias_init.get("batches") if isinstance(cfg.skip_bias_init, DictConfig) else None
+    # Optional section (absent: the skip updates start at zero, as before it existed); present, it must say how many
+    # batches, and for linear maps the ridge of their least-squares fit.
+    section = cfg.skip_bias_init if isinstance(cfg.skip_bias_init, DictConfig) else DictConfig({})
+    batches = section.get("batches")
     if not (isinstance(batches, int) and not isinstance(batches, bool) and batches >= 0):
-        return [f"skip_bias_init.batches must be an integer ≥ 0 (0 = the biases start at zero), got {batches!r}"]
-    if batches and cfg.model.get("skip_update") != "bias":
-        return [f"skip_bias_init.batches > 0 sets skip biases, but model.skip_update is {cfg.model.get('skip_update')!r} "
-                "(no skip bias to set); use model.skip_update: bias or skip_bias_init.batches: 0"]
+        return [f"skip_bias_init.batches must be an integer ≥ 0 (0 = the skip updates start at zero), got {batches!r}"]
+    skip_update = cfg.model.get("skip_update")
+    if batches and skip_update not in ("bias", "linear"):
+        return [f"skip_bias_init.batches > 0 sets skip biases or linear maps, but model.skip_update is {skip_update!r} "
+                "(none to set); use model.skip_update: bias or linear, or skip_bias_init.batches: 0"]
+    if batches and skip_update == "linear":
+        if "ridge" not in section:
+            return ["skip_bias_init.ridge is missing: model.skip_update: linear fits each map by ridge regression "
+                    "(e.g. 0.01; 0 = plain least squares)"]
+        if not _float(section.ridge) >= 0:
+            return [f"skip_bias_init.ridge must be ≥ 0, got {section.ridge!r}"]
     return []
 
 

@@ -28,7 +28,7 @@ from torchtune_dtf.modules.layers import (
     SDTDynamicLayer,
     STTLayer,
 )
-from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias, predictor_width
+from torchtune_dtf.modules.predictors import ResidualPredictor, SkipBias, SkipLinear, predictor_width
 from torchtune_dtf.modules.routers import CausalRouter, MoDRouter
 from torchtune_dtf.modules.surprise import PredictiveRouter
 
@@ -161,9 +161,14 @@ def _routed_decoder(
             mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
         )
         if i in spec.dropped_layers:
-            # skip_update "bias": the tokens a dropped layer never runs get its learned constant update, as
-            # the tokens a routed layer skips do (so layer dropping is compared with the same help).
-            layer = DroppedLayer(**block, skip_bias=SkipBias(embed_dim) if spec.skip_update == "bias" else None)
+            # skip_update "bias" / "linear": the tokens a dropped layer never runs get its learned constant
+            # update / affine map of their input, as the tokens a routed layer skips do (so layer dropping is
+            # compared with the same help).
+            layer = DroppedLayer(
+                **block,
+                skip_bias=SkipBias(embed_dim) if spec.skip_update == "bias" else None,
+                skip_linear=SkipLinear(embed_dim, norm_eps) if spec.skip_update == "linear" else None,
+            )
         elif i in capacity_of and spec.variant == "random":
             layer = RandomRoutedLayer(
                 **block,
@@ -282,8 +287,9 @@ def routed_qwen2(
         skipped_tokens_write_kv (bool): skipped tokens still write K/V, so selected tokens attend over the
             whole context (the layer then saves no KV cache).
         skip_update (str): what a skipped token receives: ``"none"`` (it passes unchanged),
-            ``"predicted"`` (STT only: its transition network's forecast of the block's update) or ``"bias"``
-            (a learned constant update per layer, :class:`~torchtune_dtf.modules.SkipBias`).
+            ``"predicted"`` (STT only: its transition network's forecast of the block's update), ``"bias"``
+            (a learned constant update per layer, :class:`~torchtune_dtf.modules.SkipBias`) or ``"linear"``
+            (a learned affine map of the token's input per layer, :class:`~torchtune_dtf.modules.SkipLinear`).
         dropped_layers (Union[str, List[int]]): layers that run on no token, as ``layerdrop``'s (``[]``: none);
             disjoint from ``routed_layers`` and, for SDT, from the Decision layers. A dropped layer costs no
             router and no K/V projection, so a budget can drop the layers no token needs and route the
@@ -304,10 +310,10 @@ def routed_qwen2(
 
     Routing arguments of the baselines:
         ``layerdrop``: ``dropped_layers`` (Union[str, List[int]], a placement as ``routed_layers``): layers
-            that run on no token (their weights stay); ``skip_update``: ``"none"`` or ``"bias"`` (every token
-            receives each dropped layer's learned constant update).
+            that run on no token (their weights stay); ``skip_update``: ``"none"``, ``"bias"`` or ``"linear"``
+            (every token receives each dropped layer's learned constant update, or affine map of its input).
         ``random``: ``routed_layers``, ``capacity``, ``always_run_first_token``, ``skipped_tokens_write_kv``,
-            ``skip_update`` (``"none"`` or ``"bias"``), ``dropped_layers`` as above; training runs a random
+            ``skip_update`` (``"none"``, ``"bias"`` or ``"linear"``), ``dropped_layers`` as above; training runs a random
             per-sequence top-⌊γ·n⌋, inference a causal Bernoulli(γ).
 
     Returns:
