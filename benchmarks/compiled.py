@@ -60,6 +60,7 @@ from torchtune_dtf.training.routing_losses import training_loss
 
 FRONTIER = "experiments/frontier/study.yaml"
 BUDGET = "experiments/budget_cpu200/study.yaml"
+SKIP_MAPS = "experiments/skip_maps/study.yaml"
 #: SmolLM2-135M shape: (label, study file, run name). The study's recommended recipe at each level next to
 #: layer dropping at about its FLOPs, and the papers' setting, each built from the run's config + overrides.
 SMOLLM2_RECIPES = [
@@ -69,13 +70,16 @@ SMOLLM2_RECIPES = [
     ("layerdrop_4", FRONTIER, "layerdrop_4_distill_bias"),
     ("layerdrop_5", BUDGET, "layerdrop_5_distill_bias"),
     ("hybrid_0.81", BUDGET, "stt_d5_bi6_all_nocurr_fixedcrit_bias_rlr10"),
+    # the quickstart's recipe: the ≈ 0.81 hybrid with skip linear maps (configs/quickstart/recommended_0_81_linear_*)
+    ("hybrid_0.81_linear", SKIP_MAPS, "recipe_linear"),
     ("layerdrop_7", FRONTIER, "layerdrop_7_distill"),
     ("layerdrop_8", BUDGET, "layerdrop_8_distill"),
     ("hybrid_0.72", FRONTIER, "stt_d6_bi10_all_rlr10"),
     ("layerdrop_10", FRONTIER, "layerdrop_10_distill"),
 ]
 #: Layer dropping the recommended recipe at each level is compared with (about the same FLOPs).
-BASELINE_OF = {"hybrid_0.90": "layerdrop_4", "hybrid_0.81": "layerdrop_7", "hybrid_0.72": "layerdrop_10"}
+BASELINE_OF = {"hybrid_0.90": "layerdrop_4", "hybrid_0.81": "layerdrop_7", "hybrid_0.81_linear": "layerdrop_7",
+               "hybrid_0.72": "layerdrop_10"}
 
 
 def study_run(study_file: str, name: str) -> Dict:

@@ -1,9 +1,9 @@
 """An exported folder against the torchtune model it came from, on real text: logits, greedy generations of a
 left-padded batch, and executed fractions.
 
-    python -m benchmarks.export_parity --exported quickstart_work/exported/recommended_0_81 \\
-        --config configs/quickstart/generate_recommended_0_81_smollm2.yaml \\
-        --checkpoint-dir quickstart_work/recommended_0_81/epoch_0 --heldout quickstart_work/corpus/test.jsonl
+    python -m benchmarks.export_parity --exported quickstart_work/exported/recommended_0_81_linear \\
+        --config configs/quickstart/generate_recommended_0_81_linear_smollm2.yaml \\
+        --checkpoint-dir quickstart_work/recommended_0_81_linear/epoch_0 --heldout quickstart_work/corpus/test.jsonl
 
 Run it from the folder the config's relative paths start from (``quickstart_work/`` for the quickstart's configs).
 Prints one JSON object; ``tests/test_export.py`` asserts the same on the tiny model.

@@ -126,7 +126,7 @@ def render(results: Dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=REPO / "quickstart_work")
-    parser.add_argument("--run", default="stt", choices=["stt", "recommended_0_81"],
+    parser.add_argument("--run", default="stt", choices=["stt", "recommended_0_81", "recommended_0_81_linear"],
                         help="the quickstart run whose checkpoint (WORK/RUN/epoch_0) and configs are measured")
     parser.add_argument("--windows", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--max-new-tokens", type=int, nargs="+", default=[32, 256])

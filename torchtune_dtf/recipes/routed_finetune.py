@@ -160,6 +160,11 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         self._skip_bias_init_batches = cfg.skip_bias_init.batches if "skip_bias_init" in cfg else 0
         self._skip_update = cfg.model.get("skip_update")
         self._skip_map_ridge = float(cfg.skip_bias_init.ridge) if self._skip_update == "linear" and self._skip_bias_init_batches else None
+        if self._skip_map_ridge is not None and self._distributed:
+            raise ValueError(
+                "skip_bias_init with model.skip_update: linear fits the maps layer by layer on one device; it does not "
+                "run under torchrun yet (fit on one device and resume from that checkpoint, or set skip_bias_init.batches: 0)"
+            )
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
@@ -573,8 +578,7 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
         layer by layer in depth order. See :mod:`torchtune_dtf.training.skip_bias_init`."""
         batches = self._first_training_batches(self._skip_bias_init_batches)
         if self._skip_update == "linear":
-            report = fit_skip_linear_maps(self._model, batches, lambda: self._routing_context("teacher"),
-                                          self._skip_map_ridge, all_reduce=self._distributed)
+            report = fit_skip_linear_maps(self._model, batches, lambda: self._routing_context("teacher"), self._skip_map_ridge)
             if self._is_rank_zero:
                 log.info(f"Skip linear maps fitted on {len(batches)} training batches (share of the update explained): "
                          + ", ".join(f"layer {i}: {r['explained']:.3f}" for i, r in report.items()))

@@ -23,17 +23,18 @@ A skip linear map (``skip_update: linear``, :class:`~torchtune_dtf.modules.predi
 the tokens it stands in for (every real token of a dropped layer, the sink included: the map sees the sink's
 distinctive input, so its outsized update is fitted rather than averaged in), ``argmin Σ‖Δ_t − W·rms(x_t) − b‖² +
 ridge·‖W‖²`` (``skip_bias_init.ridge``; b is not shrunk). The maps are fitted one layer at a time in depth order, each
-on the inputs the layers before it, with their maps already set, hand it: fitted together on the dense model's
-inputs, many adjacent maps compound (``experiments/frontier/skip_bias_probe.md``, ten dropped layers: worse than no
-map), while in depth order each map corrects what the earlier ones left. That costs one pass over the batches per
-map. ``experiments/probes/dropped_layer_replacement.md`` measured what the map keeps after 20 distilled steps of
-layer dropping (0.09 nats more than plain dropping, where the mean update keeps 0.02).
+on the inputs the layers before it, with their maps already set, hand it: fitted together on the inputs of a model
+without maps, many adjacent maps compound (``experiments/frontier/skip_bias_probe.md``, ten dropped layers: worse
+than no map), while in depth order each map corrects what the earlier ones left. The batches run through the model
+together, layer by layer, so that costs one forward per batch. ``experiments/probes/dropped_layer_replacement.md``
+measured what the map keeps after 20 distilled steps of layer dropping (0.09 nats more than plain dropping, where the
+mean update keeps 0.02). The fit runs on one device (the recipe refuses it under torchrun).
 
-Works on a plain or FSDP2-sharded model: the extra block call runs in a forward pre-hook registered after FSDP's
+The mean works on a plain or FSDP2-sharded model: the extra block call runs in a forward pre-hook registered after FSDP's
 own (so the parameters are unsharded), and the sums are all-reduced over the ranks.
 """
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,80 +55,66 @@ def skip_linear_layers(model: nn.Module) -> Dict[int, nn.Module]:
     return {idx: layer for idx, layer in enumerate(model.layers) if getattr(layer, "skip_linear", None) is not None}
 
 
-class _SkippedUpdates:
-    """Per layer of ``layers``, statistics of the true updates ``Δ [n, d]`` of the tokens it skips, gathered by
-    forward hooks while the model runs a batch: their sum ``[d]`` and count (float64), and for a layer with a
-    skip linear map the normal equations of its fit, ``Σ z zᵀ [d+1, d+1]`` and ``Σ z Δᵀ [d+1, d]`` with
-    ``z = (rms(x), 1)``."""
+class _UpdateStats:
+    """Per layer, statistics of the true updates ``Δ [n, d]`` of the tokens it skips (float64): their sum ``[d]`` and
+    count, and, where the tokens' normalised inputs are given (a skip linear map's fit), the normal equations
+    ``Σ z zᵀ [d+1, d+1]`` and ``Σ z Δᵀ [d+1, d]`` with ``z = (rms(x), 1)``, and ``Σ‖Δ‖²``."""
 
-    def __init__(self, layers: Dict[int, nn.Module], valid: Callable[[], torch.Tensor]):
-        self.layers = layers
+    def __init__(self) -> None:
         self.sums: Dict[int, torch.Tensor] = {}
         self.counts: Dict[int, torch.Tensor] = {}
         self.gram: Dict[int, torch.Tensor] = {}
         self.cross: Dict[int, torch.Tensor] = {}
-        self.squares: Dict[int, torch.Tensor] = {}  # Σ‖Δ‖² (float64 scalar), beside the normal equations
+        self.squares: Dict[int, torch.Tensor] = {}
+
+    def add(self, idx: int, updates: torch.Tensor, normalised_inputs: Optional[torch.Tensor] = None) -> None:
+        """``updates [n, d]``: the true updates of n skipped tokens of layer ``idx``; ``normalised_inputs [n, d]``:
+        their inputs as the layer's skip linear map reads them."""
+        updates = updates.double()
+        parts = {"sums": updates.sum(0), "counts": torch.tensor(float(len(updates)), dtype=torch.float64,
+                                                                  device=updates.device)}
+        if normalised_inputs is not None:
+            z = torch.cat([normalised_inputs.double(), updates.new_ones(len(updates), 1)], 1)
+            parts.update(gram=z.T @ z, cross=z.T @ updates, squares=updates.pow(2).sum())
+        for name, value in parts.items():
+            store = getattr(self, name)
+            store[idx] = store[idx] + value if idx in store else value
+
+
+class _SkippedUpdates:
+    """Forward hooks that add, while the model runs a batch, the true update of every token each of ``layers`` skips
+    to ``stats`` (:class:`_UpdateStats`): a routed layer's unselected real tokens, a dropped layer's real tokens but
+    each row's first (the attention sink's update is outsized, and one sink per row would pull the mean)."""
+
+    def __init__(self, layers: Dict[int, nn.Module], valid: Callable[[], torch.Tensor]):
+        self.stats = _UpdateStats()
         self._valid = valid  # the real tokens [b, s] of the batch being run
-        self._pending: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: Dict[int, torch.Tensor] = {}
         self._handles: List = []
-        for idx, layer in self.layers.items():
+        for idx, layer in layers.items():
             self._handles.append(layer.register_forward_pre_hook(self._pre_hook(idx), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._post_hook(idx), with_kwargs=True))
 
     def _pre_hook(self, idx: int):
         def hook(layer, args, kwargs):
             x = args[0] if args else kwargs["x"]
-            self._pending[idx] = x, _dense_forward(layer, x, kwargs.get("mask"), kwargs.get("input_pos")) - x
+            self._pending[idx] = _dense_forward(layer, x, kwargs.get("mask"), kwargs.get("input_pos")) - x
         return hook
 
     def _post_hook(self, idx: int):
         def hook(layer, args, kwargs, output):
-            x, update = self._pending.pop(idx)  # [b, s, d] each
+            update = self._pending.pop(idx)  # [b, s, d]
             skipped = self._valid().clone()  # [b, s]
             if isinstance(layer, RoutedSelfAttentionLayer):  # the decoder hands it its routing view
                 skipped &= ~kwargs["routing"].record_of(idx).selected_mask
-            elif getattr(layer, "skip_linear", None) is None:
-                skipped[:, 0] = False  # each row's first token: the attention sink, outsized for a mean
-            skip_linear = getattr(layer, "skip_linear", None)
-            inputs = skip_linear.normalise(x[skipped]) if skip_linear is not None else None
-            self.add(idx, update[skipped], inputs)
+            else:
+                skipped[:, 0] = False
+            self.stats.add(idx, update[skipped])
         return hook
-
-    def add(self, idx: int, updates: torch.Tensor, normalised_inputs: Optional[torch.Tensor] = None) -> None:
-        """``updates [n, d]``: the true updates of n skipped tokens of layer ``idx``; ``normalised_inputs [n, d]``:
-        their inputs as the layer's skip linear map reads them (for its fit)."""
-        total = updates.double().sum(0)
-        count = torch.tensor(float(updates.shape[0]), dtype=torch.float64, device=updates.device)
-        self.sums[idx] = self.sums[idx] + total if idx in self.sums else total
-        self.counts[idx] = self.counts[idx] + count if idx in self.counts else count
-        if normalised_inputs is not None:
-            z = torch.cat([normalised_inputs.double(), normalised_inputs.new_ones(len(normalised_inputs), 1).double()], 1)
-            gram, cross, square = z.T @ z, z.T @ updates.double(), updates.double().pow(2).sum()
-            self.gram[idx] = self.gram[idx] + gram if idx in self.gram else gram
-            self.cross[idx] = self.cross[idx] + cross if idx in self.cross else cross
-            self.squares[idx] = self.squares[idx] + square if idx in self.squares else square
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-
-
-def _gathered(
-    model: nn.Module,
-    layers: Dict[int, nn.Module],
-    batches: Sequence[CalibrationBatch],
-    routing: Callable[[], RoutingContext],
-) -> _SkippedUpdates:
-    """Run ``batches`` through ``model`` once, gathering the skipped updates of ``layers``."""
-    current: Dict[str, Optional[CalibrationBatch]] = {"batch": None}
-    gathered = _SkippedUpdates(layers, valid=lambda: _valid(current["batch"], current["batch"]["tokens"]))
-    try:
-        for batch in batches:
-            current["batch"] = batch
-            _forward(model, batch, routing())
-    finally:
-        gathered.remove()
-    return gathered
 
 
 def _copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -161,7 +148,15 @@ def mean_skipped_updates(
         Dict[int, torch.Tensor]: ``{layer index: mean update [d]}`` in float32, for every layer with a skip bias.
         A layer that skipped no real token on ``batches`` has no entry.
     """
-    gathered = _gathered(model, skip_bias_layers(model), batches, routing)
+    current: Dict[str, Optional[CalibrationBatch]] = {"batch": None}
+    hooks = _SkippedUpdates(skip_bias_layers(model), valid=lambda: _valid(current["batch"], current["batch"]["tokens"]))
+    try:
+        for batch in batches:
+            current["batch"] = batch
+            _forward(model, batch, routing())
+    finally:
+        hooks.remove()
+    gathered = hooks.stats
     means = {}
     for idx in sorted(gathered.sums):
         total, count = gathered.sums[idx], gathered.counts[idx]
@@ -199,43 +194,73 @@ def fit_skip_linear_maps(
     batches: Sequence[CalibrationBatch],
     routing: Callable[[], RoutingContext],
     ridge: float,
-    all_reduce: bool = False,
 ) -> Dict[int, Dict[str, float]]:
     """Set every skip linear map to the ridge regression of the true updates of the tokens it stands in for on
     their normalised inputs, one layer at a time in depth order (module docstring).
 
+    The batches go through the model together, layer by layer, as the decoder runs them (each with its own routing
+    context): at a layer with a map, each batch's tokens it skips are gathered with its block's true update on their
+    input, the map is solved from all of them, and each batch's output then gets the map, so the next layers see
+    what the fitted model computes. One forward per batch in all, and the selection of a routed layer is its
+    teacher's on the input the fitted layers before it give (the map only changes the tokens it skips).
+
     Args:
-        model, batches, routing, all_reduce: as :func:`mean_skipped_updates`.
+        model: a routed decoder (:class:`~torchtune_dtf.modules.RoutedTransformerDecoder`, on one device).
+        batches: the text (:data:`~torchtune_dtf.training.calibration.CalibrationBatch`); padding is in no fit.
+        routing: makes each batch's fresh :class:`RoutingContext`; its mode decides what a routed layer skips
+            (``"teacher"``: the teacher's selection, as training skips).
         ridge (float): ``λ ≥ 0`` of ``λ‖W‖²`` (not on ``b``); ``0`` solves plain least squares.
 
     Returns:
-        Dict[int, Dict[str, float]]: per layer set, a report for the log: ``tokens`` fitted on and the fraction of
-        the updates' total square the map explains on them (``explained``: 1 − residual / Σ‖Δ‖²; the mean
-        update alone explains ``1 − Σ‖Δ − Δ̄‖² / Σ‖Δ‖²``). A layer that skipped no real token keeps its map.
-        Raises when the model has no skip linear map to fit.
+        Dict[int, Dict[str, float]]: per layer set, a report for the log: ``tokens`` fitted on and the share of the
+        updates' total square the map explains on them (``explained``: 1 − Σ‖Δ − map‖² / Σ‖Δ‖²). A layer that
+        skipped no real token is left at zero. Raises when the model has no skip linear map to fit.
     """
     layers = skip_linear_layers(model)
     if not layers:
         raise ValueError("skip_bias_init: the model has no skip linear map to fit (it needs model.skip_update: linear)")
+    runs = []  # per batch: its hidden state before the next layer, routing context, token layout and real tokens
+    for batch in batches:
+        tokens, mask, input_pos = batch["tokens"], batch.get("mask"), batch.get("input_pos")
+        runs.append({"h": model.tok_embeddings(tokens), "ctx": routing(), "mask": mask, "input_pos": input_pos,
+                     "layout": model._token_layout(*tokens.shape, mask, input_pos, tokens.device),
+                     "valid": _valid(batch, tokens)})
     report = {}
-    for idx in sorted(layers):  # each fit sees the maps of the layers before it
-        gathered = _gathered(model, {idx: layers[idx]}, batches, routing)
-        if idx not in gathered.gram:
+    routing_layers = set(model.routing_layer_indices)
+    for idx, layer in enumerate(model.layers[: max(layers) + 1]):  # no later layer changes a fit
+        if idx in layers:
+            layer.skip_linear.reset_parameters()  # the layer runs without a map; the fitted one is added below
+        stats, inputs, skipped_of = _UpdateStats(), [], []
+        for run in runs:
+            x, mask, input_pos = run["h"], run["mask"], run["input_pos"]
+            if idx in routing_layers:  # as the decoder calls a routed (or SDT Decision) layer
+                view = run["ctx"].for_layer(idx, x.device, run["layout"])
+                run["h"] = layer(x, mask=mask, input_pos=input_pos, routing=view)
+                run["ctx"].absorb(idx, view)
+            else:
+                run["h"] = layer(x, mask=mask, input_pos=input_pos)
+            if idx not in layers:
+                continue
+            skipped = (~run["ctx"].layers[idx].selected_mask if isinstance(layer, RoutedSelfAttentionLayer)
+                       else torch.ones_like(run["valid"]))
+            real = skipped & run["valid"]
+            update = _dense_forward(layer, x, mask, input_pos) - x
+            stats.add(idx, update[real], layer.skip_linear.normalise(x[real]))
+            inputs.append(x)
+            skipped_of.append(skipped)
+        if idx not in layers or idx not in stats.gram or stats.counts[idx].item() == 0:
             continue
-        gram, cross, square = gathered.gram[idx], gathered.cross[idx], gathered.squares[idx]
-        count = gathered.counts[idx]
-        if all_reduce:
-            for total in (gram, cross, square, count):
-                dist.all_reduce(total)
-        if count.item() == 0:
-            continue
+        gram, cross, square = stats.gram[idx], stats.cross[idx], stats.squares[idx]
         penalty = torch.full((len(gram),), float(ridge), dtype=gram.dtype, device=gram.device)
         penalty[-1] = 0.0  # the bias is not shrunk
         solution = torch.linalg.solve(gram + torch.diag(penalty), cross)  # [d+1, d]: Wᵀ over b
-        proj = layers[idx].skip_linear.proj
-        _copy_into(proj.weight, solution[:-1].T.float())
-        _copy_into(proj.bias, solution[-1].float())
+        proj = layer.skip_linear.proj
+        proj.weight.copy_(solution[:-1].T.to(proj.weight.dtype))
+        proj.bias.copy_(solution[-1].to(proj.bias.dtype))
+        # The layer ran with its map at zero; its output with the fitted map adds the map to the tokens it skips.
+        for run, x, skipped in zip(runs, inputs, skipped_of):
+            run["h"] = run["h"] + layer.skip_linear(x) * skipped[..., None].to(run["h"].dtype)
         # Σ‖Δ_t − Sᵀz_t‖² = Σ‖Δ‖² − 2·tr(Sᵀ C) + tr(Sᵀ G S), with C = Σ z Δᵀ and G = Σ z zᵀ.
         residual = square - 2 * (solution * cross).sum() + (solution * (gram @ solution)).sum()
-        report[idx] = {"tokens": float(count), "explained": float(1 - residual / square)}
+        report[idx] = {"tokens": float(stats.counts[idx]), "explained": float(1 - residual / square)}
     return report
