@@ -8,12 +8,12 @@ rule), ``--checkpoint-dir`` an ``epoch_N`` folder the recipe saved (default: the
 ``checkpointer.checkpoint_dir``); ``key=value`` overrides apply as for ``tune run``. A LoRA run's checkpoint is
 already merged and loads into the builder's non-LoRA twin. What comes out:
 
-* **a routed model** (any routed layer, or a dropped layer with a learned skip bias, which stock Qwen2 cannot
+* **a routed model** (any routed layer, or a dropped layer with a learned skip bias or linear map, which stock Qwen2 cannot
   express): ``config.json`` (``model_type: torchtune_dtf_routed_qwen2``, the torchtune ``model`` section under
   ``torchtune_model``, an ``auto_map``), ``model.safetensors`` (backbone and routing weights, one state dict),
   two small files that re-export :mod:`torchtune_dtf.hf.modeling` (so loading needs ``pip install
   torchtune_dtf`` and ``trust_remote_code=True``), the tokenizer and generation config, and a model card;
-* **a model with no routing left** (dense, or layer dropping without skip biases): a stock ``Qwen2ForCausalLM``
+* **a model with no routing left** (dense, or layer dropping without skip updates): a stock ``Qwen2ForCausalLM``
   folder with the dropped layers removed and renumbered, no remote code.
 
 Unless ``--no-check``, the folder is loaded back with ``AutoModelForCausalLM`` and its logits compared with the
@@ -89,7 +89,7 @@ def architecture_fields(model: torch.nn.Module) -> Dict[str, int]:
 
 def has_routing(model: torch.nn.Module) -> bool:
     """True when a stock Qwen2 cannot compute what ``model`` computes: a routing weight (router, predictor, skip
-    bias) or a routed layer."""
+    bias or linear map) or a routed layer."""
     from torchtune_dtf.modules import RoutedSelfAttentionLayer
 
     return any(is_routing_key(k) for k in model.state_dict()) or any(

@@ -156,7 +156,7 @@ def torchtune_mask(padding: torch.Tensor, rows: torch.Tensor, width: int) -> tor
 
 
 class RoutedQwen2ForCausalLM(PreTrainedModel, GenerationMixin):
-    """A routed Qwen2 student (MoD, SDT, STT, random, or layer dropping with skip biases) for ``transformers``.
+    """A routed Qwen2 student (MoD, SDT, STT, random, or layer dropping with skip biases or linear maps) for ``transformers``.
 
     ``self.model`` is the torchtune ``RoutedTransformerDecoder``; its state dict is this model's under ``model.``.
     """
