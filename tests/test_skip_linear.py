@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from torchtune.modules import TransformerSelfAttentionLayer
 
-from tests.conftest import VOCAB, build_tiny
+from tests.conftest import VOCAB, build_tiny, tiny_architecture
 from tests.test_recipe import load_config, train_assets, workdir  # noqa: F401  (fixtures)
 from torchtune_dtf import closed_form
 from torchtune_dtf.modules import DroppedLayer, RoutedSelfAttentionLayer, RoutingContext, routing_group_of
@@ -164,10 +164,9 @@ def test_each_map_is_the_ridge_regression_on_its_own_inputs_in_depth_order():
     # map (all maps fitted at once), the second dropped layer's map differs.
     unfitted = build_tiny("stt", skip_update="linear", **HYBRID)
     second = DROPPED[1]
-    x = torch.cat([unfitted.layers[second].skip_linear.normalise(_layer_inputs(unfitted, b["tokens"], [second], _teacher())[second].flatten(0, 1))
-                   for b in batches])
-    delta = torch.cat([_true_update(unfitted, second, _layer_inputs(unfitted, b["tokens"], [second], _teacher())[second]).flatten(0, 1)
-                       for b in batches])
+    hidden = [_layer_inputs(unfitted, b["tokens"], [second], _teacher())[second] for b in batches]  # [b, s, d] each
+    x = unfitted.layers[second].skip_linear.normalise(torch.cat([h.flatten(0, 1) for h in hidden]))
+    delta = torch.cat([_true_update(unfitted, second, h).flatten(0, 1) for h in hidden])
     at_once = _ridge(x, delta, ridge).float()[:-1].T
     fitted = model.layers[second].skip_linear.proj.weight.detach()
     assert (at_once - fitted).norm() > 0.05 * fitted.norm()
@@ -248,7 +247,7 @@ def test_recipe_fits_the_maps_and_trains_them_in_their_own_group(workdir):  # no
 
 def test_closed_form_counts_the_map_on_the_tokens_it_serves():
     shape = closed_form.model_shape_from_config({"_component_": "torchtune_dtf.models.qwen2_5.routed_qwen2",
-                                                 "vocab_size": VOCAB, **_tiny()})
+                                                 **tiny_architecture()})
     def routing(skip_update):
         return closed_form.RoutingShape(variant="stt", routed_layers=(1,), capacity=(0.5,), router_hidden=8,
                                         predictor_width=4, dropped_layers=DROPPED, skip_update=skip_update)
@@ -260,8 +259,3 @@ def test_closed_form_counts_the_map_on_the_tokens_it_serves():
     assert mapped["total"] - plain["total"] == served * 2 * d * d
     assert routing("linear").skip_update_params(shape) == d * d + d
 
-
-def _tiny():
-    from tests.conftest import tiny_architecture
-
-    return {k: v for k, v in tiny_architecture().items() if k != "vocab_size"}
