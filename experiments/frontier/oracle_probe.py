@@ -56,6 +56,7 @@ from torchtune_dtf import closed_form  # noqa: E402
 from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, load_trained  # noqa: E402
 from torchtune_dtf.models.model_config import ARCH_KEYS  # noqa: E402
 from torchtune_dtf.modules import RoutingContext
+from torchtune_dtf.training.skip_bias_init import SkippedUpdateStats  # noqa: E402
 
 #: The study whose shapes the probe runs in, and whose parts resolve the probe-only shapes.
 STUDY = Path(__file__).parent / "study.yaml"
@@ -200,34 +201,27 @@ class SkippedUpdateSums:
     """Running sums, per layer, of the true update ``block(x_t) − x_t`` [d] of the tokens a layer does not run (a
     dropped layer: every token but the first, whose attention-sink update is outsized; a routed layer: the tokens
     not selected). ``means()`` gives the mean skipped update per layer; where the inputs ``x_t`` were added too,
-    ``linear_maps()`` gives the least-squares affine map from the normalised input to the update."""
+    ``linear_maps()`` gives the least-squares affine map from the normalised input to the update. The sums and the
+    solve are the package's (:class:`~torchtune_dtf.training.skip_bias_init.SkippedUpdateStats`, what
+    ``skip_bias_init`` fits the model's skip maps with); this adds the probes' normalisation of the inputs."""
 
     def __init__(self) -> None:
-        self.sums: Dict[int, torch.Tensor] = {}
-        self.counts: Dict[int, int] = {}
-        self.gram: Dict[int, torch.Tensor] = {}  # [d+1, d+1]: Σ z zᵀ, z = (rms(x), 1)
-        self.cross: Dict[int, torch.Tensor] = {}  # [d+1, d]: Σ z Δᵀ
+        self.stats = SkippedUpdateStats()
+
+    @property
+    def counts(self) -> Dict[int, int]:
+        return {layer: int(count) for layer, count in self.stats.counts.items()}
 
     def add(self, layer: int, updates: torch.Tensor, inputs: Optional[torch.Tensor] = None) -> None:
         """``updates`` [n, d]: the true updates of n skipped tokens; ``inputs`` [n, d]: those tokens' layer inputs."""
-        self.sums[layer] = self.sums.get(layer, 0) + updates.double().sum(0)
-        self.counts[layer] = self.counts.get(layer, 0) + updates.shape[0]
-        if inputs is not None:
-            z = _with_one(rms_normalised(inputs).double())
-            self.gram[layer] = self.gram.get(layer, 0) + z.T @ z
-            self.cross[layer] = self.cross.get(layer, 0) + z.T @ updates.double()
+        self.stats.add(layer, updates, None if inputs is None else rms_normalised(inputs))
 
     def means(self) -> Dict[int, torch.Tensor]:
-        return {layer: (total / self.counts[layer]).float() for layer, total in self.sums.items()}
+        return {layer: self.stats.mean(layer) for layer in self.stats.sums}
 
     def linear_maps(self, ridge: float) -> Dict[int, "AffineUpdate"]:
         """Per layer, ``argmin_{W,b} Σ ‖Δ_t − W·rms(x_t) − b‖² + ridge·‖W‖²`` over the tokens added with inputs."""
-        maps = {}
-        for layer, gram in self.gram.items():
-            penalty = ridge * torch.eye(len(gram), dtype=gram.dtype)
-            penalty[-1, -1] = 0.0  # the bias is not shrunk
-            maps[layer] = AffineUpdate(torch.linalg.solve(gram + penalty, self.cross[layer]).float())
-        return maps
+        return {layer: AffineUpdate(self.stats.ridge_solution(layer, ridge).float()) for layer in self.stats.gram}
 
 
 def rms_normalised(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:

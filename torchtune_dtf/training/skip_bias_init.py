@@ -55,10 +55,11 @@ def skip_linear_layers(model: nn.Module) -> Dict[int, nn.Module]:
     return {idx: layer for idx, layer in enumerate(model.layers) if getattr(layer, "skip_linear", None) is not None}
 
 
-class _UpdateStats:
+class SkippedUpdateStats:
     """Per layer, statistics of the true updates ``Δ [n, d]`` of the tokens it skips (float64): their sum ``[d]`` and
     count, and, where the tokens' normalised inputs are given (a skip linear map's fit), the normal equations
-    ``Σ z zᵀ [d+1, d+1]`` and ``Σ z Δᵀ [d+1, d]`` with ``z = (rms(x), 1)``, and ``Σ‖Δ‖²``."""
+    ``Σ z zᵀ [d+1, d+1]`` and ``Σ z Δᵀ [d+1, d]`` with ``z = (rms(x), 1)``, and ``Σ‖Δ‖²``. The skip-bias and skip-map
+    initialisations fill one; so do the frontier probes (``experiments/frontier/oracle_probe.py``)."""
 
     def __init__(self) -> None:
         self.sums: Dict[int, torch.Tensor] = {}
@@ -80,14 +81,33 @@ class _UpdateStats:
             store = getattr(self, name)
             store[idx] = store[idx] + value if idx in store else value
 
+    def mean(self, idx: int) -> torch.Tensor:
+        """The mean skipped update ``[d]`` of layer ``idx`` (float32)."""
+        return (self.sums[idx] / self.counts[idx]).float()
+
+    def ridge_solution(self, idx: int, ridge: float) -> torch.Tensor:
+        """``S [d+1, d]`` (``Wᵀ`` over ``b``) minimising ``Σ‖Δ_t − W·z_t − b‖² + ridge·‖W‖²`` over the tokens added
+        with their inputs (float64; the bias is not shrunk)."""
+        gram = self.gram[idx]
+        penalty = torch.full((len(gram),), float(ridge), dtype=gram.dtype, device=gram.device)
+        penalty[-1] = 0.0
+        return torch.linalg.solve(gram + torch.diag(penalty), self.cross[idx])
+
+    def explained(self, idx: int, solution: torch.Tensor) -> float:
+        """The share of ``Σ‖Δ‖²`` that ``solution [d+1, d]`` predicts: ``1 − Σ‖Δ_t − Sᵀz_t‖² / Σ‖Δ‖²``, from the sums
+        alone (``Σ‖Δ − Sᵀz‖² = Σ‖Δ‖² − 2·tr(Sᵀ C) + tr(Sᵀ G S)``, with ``C = Σ z Δᵀ`` and ``G = Σ z zᵀ``)."""
+        gram, cross, square = self.gram[idx], self.cross[idx], self.squares[idx]
+        residual = square - 2 * (solution * cross).sum() + (solution * (gram @ solution)).sum()
+        return float(1 - residual / square)
+
 
 class _SkippedUpdates:
     """Forward hooks that add, while the model runs a batch, the true update of every token each of ``layers`` skips
-    to ``stats`` (:class:`_UpdateStats`): a routed layer's unselected real tokens, a dropped layer's real tokens but
+    to ``stats`` (:class:`SkippedUpdateStats`): a routed layer's unselected real tokens, a dropped layer's real tokens but
     each row's first (the attention sink's update is outsized, and one sink per row would pull the mean)."""
 
     def __init__(self, layers: Dict[int, nn.Module], valid: Callable[[], torch.Tensor]):
-        self.stats = _UpdateStats()
+        self.stats = SkippedUpdateStats()
         self._valid = valid  # the real tokens [b, s] of the batch being run
         self._pending: Dict[int, torch.Tensor] = {}
         self._handles: List = []
@@ -159,12 +179,11 @@ def mean_skipped_updates(
     gathered = hooks.stats
     means = {}
     for idx in sorted(gathered.sums):
-        total, count = gathered.sums[idx], gathered.counts[idx]
-        if all_reduce:
-            dist.all_reduce(total)
-            dist.all_reduce(count)
-        if count.item() > 0:
-            means[idx] = (total / count).float()
+        if all_reduce:  # in place: the stats then hold every rank's tokens
+            dist.all_reduce(gathered.sums[idx])
+            dist.all_reduce(gathered.counts[idx])
+        if gathered.counts[idx].item() > 0:
+            means[idx] = gathered.mean(idx)
     return means
 
 
@@ -230,7 +249,7 @@ def fit_skip_linear_maps(
     for idx, layer in enumerate(model.layers[: max(layers) + 1]):  # no later layer changes a fit
         if idx in layers:
             layer.skip_linear.reset_parameters()  # the layer runs without a map; the fitted one is added below
-        stats, inputs, skipped_of = _UpdateStats(), [], []
+        stats, inputs, skipped_of = SkippedUpdateStats(), [], []
         for run in runs:
             x, mask, input_pos = run["h"], run["mask"], run["input_pos"]
             if idx in routing_layers:  # as the decoder calls a routed (or SDT Decision) layer
@@ -250,17 +269,12 @@ def fit_skip_linear_maps(
             skipped_of.append(skipped)
         if idx not in layers or idx not in stats.gram or stats.counts[idx].item() == 0:
             continue
-        gram, cross, square = stats.gram[idx], stats.cross[idx], stats.squares[idx]
-        penalty = torch.full((len(gram),), float(ridge), dtype=gram.dtype, device=gram.device)
-        penalty[-1] = 0.0  # the bias is not shrunk
-        solution = torch.linalg.solve(gram + torch.diag(penalty), cross)  # [d+1, d]: Wᵀ over b
+        solution = stats.ridge_solution(idx, ridge)  # [d+1, d]: Wᵀ over b
         proj = layer.skip_linear.proj
         proj.weight.copy_(solution[:-1].T.to(proj.weight.dtype))
         proj.bias.copy_(solution[-1].to(proj.bias.dtype))
         # The layer ran with its map at zero; its output with the fitted map adds the map to the tokens it skips.
         for run, x, skipped in zip(runs, inputs, skipped_of):
             run["h"] = run["h"] + layer.skip_linear(x) * skipped[..., None].to(run["h"].dtype)
-        # Σ‖Δ_t − Sᵀz_t‖² = Σ‖Δ‖² − 2·tr(Sᵀ C) + tr(Sᵀ G S), with C = Σ z Δᵀ and G = Σ z zᵀ.
-        residual = square - 2 * (solution * cross).sum() + (solution * (gram @ solution)).sum()
-        report[idx] = {"tokens": float(stats.counts[idx]), "explained": float(1 - residual / square)}
+        report[idx] = {"tokens": float(stats.counts[idx]), "explained": stats.explained(idx, solution)}
     return report
