@@ -55,8 +55,11 @@ if str(REPO) not in sys.path:
 from torchtune_dtf import closed_form  # noqa: E402
 from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, load_trained  # noqa: E402
 from torchtune_dtf.models.model_config import ARCH_KEYS  # noqa: E402
-from torchtune_dtf.modules import RoutingContext
+from torchtune_dtf.modules import RoutingContext, predictors  # noqa: E402
 from torchtune_dtf.training.skip_bias_init import SkippedUpdateStats  # noqa: E402
+
+#: The RMSNorm epsilon of the models the probe runs (SmolLM2's ``norm_eps``), for the fitted maps' inputs.
+NORM_EPS = 1e-5
 
 #: The study whose shapes the probe runs in, and whose parts resolve the probe-only shapes.
 STUDY = Path(__file__).parent / "study.yaml"
@@ -224,9 +227,9 @@ class SkippedUpdateSums:
         return {layer: AffineUpdate(self.stats.ridge_solution(layer, ridge).float()) for layer in self.stats.gram}
 
 
-def rms_normalised(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """``x / rms(x)`` over the last dimension (an RMSNorm without its scale)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+def rms_normalised(x: torch.Tensor) -> torch.Tensor:
+    """``x / rms(x)`` over the last dimension with SmolLM2's epsilon (what :class:`SkipLinear` feeds its map)."""
+    return predictors.rms_normalised(x, NORM_EPS)
 
 
 def _with_one(x: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,13 @@ class SkipBias(RoutingModule):
         return self.update
 
 
+def rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` over the last dimension: an RMSNorm without its scale, in ``x``'s dtype.
+
+    Shapes: ``[..., d]`` → ``[..., d]``."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class SkipLinear(RoutingModule):
     """A learned affine update computed from the token's own layer input, ``W·rms(x) + b``, that every token
     skipping a routed layer (or passing a dropped one) receives (``skip_update: linear``).
@@ -117,8 +124,7 @@ class SkipLinear(RoutingModule):
 
     def normalise(self, x: torch.Tensor) -> torch.Tensor:
         """``x / rms(x)`` over the last dimension, in float32 (the map's input; the fit reads it too)."""
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        return rms_normalised(x.float(), self.norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.normalise(x).to(self.proj.weight.dtype)).to(x.dtype)
