@@ -28,11 +28,14 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 import torch
+from omegaconf import OmegaConf
 from torchtune import config
 
 from torchtune_dtf.atomic_write import atomic_write_text
 from torchtune_dtf.evaluation import side_by_side
 from torchtune_dtf.evaluation.routing_report import heldout_windows, load_config, load_trained
+from torchtune_dtf.models.model_config import model_variant
+from torchtune_dtf.models.routing_config import STATIC_VARIANTS
 from torchtune_dtf.modules.routing_context import RoutingContext
 
 MIN_WORDS = 6
@@ -74,8 +77,8 @@ def measure_arm(config_path: str, checkpoint_dir: str, overrides: Sequence[str],
     }
     if loss_windows:
         windows = heldout_windows(tokenizer, loss_file, LOSS_SEQ_LEN, loss_windows, spread=True)
-        routed = bool(cfg.model.get("routed_layers"))  # dense and layer dropping take no routing context
-        routing = (lambda: RoutingContext(mode="student")) if routed else None
+        static = model_variant(OmegaConf.to_container(cfg.model, resolve=True)) in STATIC_VARIANTS
+        routing = None if static else (lambda: RoutingContext(mode="student"))  # dense, layer dropping: no context
         result["loss"] = float(side_by_side.window_losses(model, windows, routing, batch_size=4).mean())
     return result
 

@@ -24,17 +24,15 @@ train remedy_backbone_lr_3e-5 $RECIPE learning_rates.backbone=3.0e-5
 train remedy_frozen_backbone $RECIPE freeze_base=True
 # Token-level unlikelihood of earlier context tokens (experiments/probes/unlikelihood_finetune.py), α = 1 as in its paper
 # (the term is then ≈ 0.26 against a next-token loss ≈ 4.2), 2, 3 and 8.
-RUN=(env UNLIKELIHOOD_WEIGHT=1.0 .venv/bin/python -m experiments.probes.unlikelihood_finetune)
-train remedy_unlikelihood_1 $RECIPE
-RUN=(env UNLIKELIHOOD_WEIGHT=2.0 .venv/bin/python -m experiments.probes.unlikelihood_finetune)
-train remedy_unlikelihood_2 $RECIPE
-RUN=(env UNLIKELIHOOD_WEIGHT=3.0 .venv/bin/python -m experiments.probes.unlikelihood_finetune)
-train remedy_unlikelihood_3 $RECIPE
-RUN=(env UNLIKELIHOOD_WEIGHT=8.0 .venv/bin/python -m experiments.probes.unlikelihood_finetune)
-train remedy_unlikelihood_8 $RECIPE
+train_unlikelihood() {  # α, then train's arguments
+    local saved=("${RUN[@]}")
+    RUN=(env UNLIKELIHOOD_WEIGHT="$1" .venv/bin/python -m experiments.probes.unlikelihood_finetune)
+    train "${@:2}"
+    RUN=("${saved[@]}")
+}
+for alpha in 1 2 3 8; do train_unlikelihood "$alpha.0" "remedy_unlikelihood_$alpha" $RECIPE; done
 # What the same term does to the dense control (the bar's reference), at α = 3.
-RUN=(env UNLIKELIHOOD_WEIGHT=3.0 .venv/bin/python -m experiments.probes.unlikelihood_finetune)
-train dense_unlikelihood_3 dense_smollm2
+train_unlikelihood 3.0 dense_unlikelihood_3 dense_smollm2
 W="model.student_routing_mode=window_topk model.student_threshold=null"  # the eval configs' rule; window per arm
 .venv/bin/python -m experiments.probes.greedy_diversity --out experiments/probes/greedy_remedies --loss-windows 64 --reuse \
   --note "Remedy checkpoints trained by experiments/probes/greedy_remedies.sh with the quickstart's flags (20 steps × 4 × 256 tokens, seed 42); dense_20_steps and recipe_linear_20_steps are the quickstart's own checkpoints, layerdrop_7_20_steps the greedy-diversity probe's. remedy_student_executed ran the config's uncalibrated threshold student in training (student_calibration.batches=0), not the deployed window top-k. remedy_unlikelihood_A and dense_unlikelihood_3 were trained by experiments/probes/unlikelihood_finetune.py (the recipe plus token-level unlikelihood) with UNLIKELIHOOD_WEIGHT=A. Prompts and loss windows from the validation works. One seed per arm: a probe, not a claim." \
