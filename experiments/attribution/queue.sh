@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The attribution study's runs, most informative first (the driver skips every (run, seed) that has a result JSON
 # and resumes one that has a checkpoint, so this can be restarted at any time):
-#   1. seed 1, then seed 2, of the ranked arms at both levels ((a)–(d) and the recipe), then the (e) arms;
-#   2. seeds 1–2 of the layer-dropping line; 3. seed 2 of the ≈ 0.72 recipe; 4. seeds 1–2 of dense.
+#   1. seed 1, then seed 2, of the ranked arms at both levels ((a)–(d) and the recipe); 2. seeds 1–2 of the
+#   layer-dropping line; 3. the (e) arms; 4. seed 2 of the ≈ 0.72 recipe; 5. seeds 1–2 of dense.
 # One thread per run, so two studies can share a 2-core machine. In the background, on idle time only:
 #   bash scripts/background.sh start attribution bash experiments/attribution/queue.sh
 # then `python experiments/study.py aggregate experiments/attribution` as runs land.
@@ -18,9 +18,13 @@ ranked=(stt_d6_bi10_all_bias_rlr10 stt_d6_bi10_all_fixedcrit_bias_rlr10 mod_d6_b
         random_d6_bi10_all_bias stt_d5_bi6_all_nocurr_fixedcrit_bias_rlr10 stt_d5_bi6_all_nocurr_bias_rlr10
         mod_d5_bi6_all_nocurr_bias_rlr10 random_d5_bi6_all_nocurr_bias)
 for seed in 1 2; do
-    for name in "${ranked[@]}" layerdrop_6_distill_bias layerdrop_5_distill_bias; do run "$seed" "$name"; done
+    for name in "${ranked[@]}"; do run "$seed" "$name"; done
 done
-for name in layerdrop_10_distill layerdrop_7_distill layerdrop_8_distill; do run 1 "$name"; run 2 "$name"; done
+# the line that says whether routing beats dropping more layers whole, before the (e) arms' last seed
+for name in layerdrop_7_distill layerdrop_8_distill layerdrop_10_distill; do run 1 "$name"; run 2 "$name"; done
+for seed in 1 2; do
+    for name in layerdrop_6_distill_bias layerdrop_5_distill_bias; do run "$seed" "$name"; done
+done
 run 2 stt_d6_bi10_all_rlr10
 run 1 dense; run 2 dense
 echo "== attribution queue done"
