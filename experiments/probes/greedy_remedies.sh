@@ -15,6 +15,14 @@ train() {  # output name, config, extra overrides (as scripts/quickstart.sh trai
         output_dir="$K/$1" max_steps_per_epoch=20 save_every_n_steps=20 validation.every_n_steps=10 \
         validation.max_batches=2 student_calibration.batches=0 "${@:3}"
 }
+train_probe() {  # probe module, its environment (NAME=VALUE ...) then --, then train's arguments
+    local saved=("${RUN[@]}") module=$1 settings=()
+    shift
+    while [ "$1" != "--" ]; do settings+=("$1"); shift; done
+    RUN=(env "${settings[@]}" .venv/bin/python -m "experiments.probes.$module")
+    train "${@:2}"
+    RUN=("${saved[@]}")
+}
 # The backbone trains on the student's own selections in every step, not the teacher's (what generation executes).
 train remedy_student_executed $RECIPE scheduled_sampling.share_start=1.0 scheduled_sampling.share_end=1.0
 # The KL to the starting (pretrained) model weighs 4× the corpus's next-token loss instead of 1×.
@@ -24,18 +32,20 @@ train remedy_backbone_lr_3e-5 $RECIPE learning_rates.backbone=3.0e-5
 train remedy_frozen_backbone $RECIPE freeze_base=True
 # Token-level unlikelihood of earlier context tokens (experiments/probes/unlikelihood_finetune.py), α = 1 as in its paper
 # (the term is then ≈ 0.26 against a next-token loss ≈ 4.2), 2, 3 and 8.
-train_unlikelihood() {  # α, then train's arguments
-    local saved=("${RUN[@]}")
-    RUN=(env UNLIKELIHOOD_WEIGHT="$1" .venv/bin/python -m experiments.probes.unlikelihood_finetune)
-    train "${@:2}"
-    RUN=("${saved[@]}")
-}
-for alpha in 1 2 3 8; do train_unlikelihood "$alpha.0" "remedy_unlikelihood_$alpha" $RECIPE; done
+for alpha in 1 2 3 8; do
+    train_probe unlikelihood_finetune UNLIKELIHOOD_WEIGHT="$alpha.0" -- "remedy_unlikelihood_$alpha" $RECIPE
+done
 # What the same term does to the dense control (the bar's reference), at α = 3.
-train_unlikelihood 3.0 dense_unlikelihood_3 dense_smollm2
+train_probe unlikelihood_finetune UNLIKELIHOOD_WEIGHT=3.0 -- dense_unlikelihood_3 dense_smollm2
+# On-policy distillation (experiments/probes/onpolicy_finetune.py): each step the deployed student (window top-k of 64)
+# continues the batch's first 24 tokens greedily for 40 and learns the starting model's distribution on them, λ = 1, 4.
+ON_POLICY=(ON_POLICY_PROMPT_TOKENS=24 ON_POLICY_NEW_TOKENS=40 ON_POLICY_STUDENT_WINDOW=64)
+for weight in 1 4; do
+    train_probe onpolicy_finetune ON_POLICY_WEIGHT="$weight.0" "${ON_POLICY[@]}" -- "remedy_onpolicy_$weight" $RECIPE
+done
 W="model.student_routing_mode=window_topk model.student_threshold=null"  # the eval configs' rule; window per arm
 .venv/bin/python -m experiments.probes.greedy_diversity --out experiments/probes/greedy_remedies --loss-windows 64 --reuse \
-  --note "Remedy checkpoints trained by experiments/probes/greedy_remedies.sh with the quickstart's flags (20 steps × 4 × 256 tokens, seed 42); dense_20_steps and recipe_linear_20_steps are the quickstart's own checkpoints, layerdrop_7_20_steps the greedy-diversity probe's. remedy_student_executed ran the config's uncalibrated threshold student in training (student_calibration.batches=0), not the deployed window top-k. remedy_unlikelihood_A and dense_unlikelihood_3 were trained by experiments/probes/unlikelihood_finetune.py (the recipe plus token-level unlikelihood) with UNLIKELIHOOD_WEIGHT=A. Prompts and loss windows from the validation works. One seed per arm: a probe, not a claim." \
+  --note "Remedy checkpoints trained by experiments/probes/greedy_remedies.sh with the quickstart's flags (20 steps × 4 × 256 tokens, seed 42); dense_20_steps and recipe_linear_20_steps are the quickstart's own checkpoints, layerdrop_7_20_steps the greedy-diversity probe's. remedy_student_executed ran the config's uncalibrated threshold student in training (student_calibration.batches=0), not the deployed window top-k. remedy_unlikelihood_A and dense_unlikelihood_3 were trained by experiments/probes/unlikelihood_finetune.py (the recipe plus token-level unlikelihood) with UNLIKELIHOOD_WEIGHT=A; remedy_onpolicy_L by experiments/probes/onpolicy_finetune.py (the recipe plus distillation on its deployed student's greedy continuations of the batch's first 24 tokens, 40 tokens, window top-k of 64) with ON_POLICY_WEIGHT=L. Prompts and loss windows from the validation works. One seed per arm: a probe, not a claim." \
   --arm dense_20_steps $Q/dense_smollm2.yaml $K/dense/epoch_0 \
   --arm recipe_linear_20_steps $Q/$RECIPE.yaml $K/recommended_0_81_linear/epoch_0 $W model.student_window=64 \
   --arm layerdrop_7_20_steps $Q/layerdrop_smollm2.yaml $K/probe_layerdrop_7/epoch_0 \
@@ -48,4 +58,6 @@ W="model.student_routing_mode=window_topk model.student_threshold=null"  # the e
   --arm remedy_unlikelihood_2 $Q/$RECIPE.yaml $K/remedy_unlikelihood_2/epoch_0 $W model.student_window=64 \
   --arm remedy_unlikelihood_3 $Q/$RECIPE.yaml $K/remedy_unlikelihood_3/epoch_0 $W model.student_window=64 \
   --arm remedy_unlikelihood_8 $Q/$RECIPE.yaml $K/remedy_unlikelihood_8/epoch_0 $W model.student_window=64 \
-  --arm dense_unlikelihood_3 $Q/dense_smollm2.yaml $K/dense_unlikelihood_3/epoch_0
+  --arm dense_unlikelihood_3 $Q/dense_smollm2.yaml $K/dense_unlikelihood_3/epoch_0 \
+  --arm remedy_onpolicy_1 $Q/$RECIPE.yaml $K/remedy_onpolicy_1/epoch_0 $W model.student_window=64 \
+  --arm remedy_onpolicy_4 $Q/$RECIPE.yaml $K/remedy_onpolicy_4/epoch_0 $W model.student_window=64
