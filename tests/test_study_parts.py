@@ -18,6 +18,9 @@ BEFORE = json.loads((REPO / "tests" / "assets" / "study_runs_before_parts.json")
 STUDIES = sorted(key for key in BEFORE if not key.startswith("_"))
 #: Study sections added with the parts or since (verdict tables): in the resolved study (and study.json) beside what it always held.
 ADDED = {"experiments/frontier/study.yaml": ["claims"], "experiments/attribution/study.yaml": ["comparisons"]}
+#: Runs a study gained since (names added to its ``runs_from``): each must be exactly its source study's run.
+RUNS_ADDED = {"experiments/attribution/study.yaml": ("experiments/budget_cpu200/study.yaml", [
+    "stt_d4_bi2_g625_all_nocurr_fixedcrit_bias_rlr10", "layerdrop_4_distill_bias"])}
 QUICKSTART = REPO / "configs" / "quickstart"
 #: A made-up measurement for the 30 layers of the quickstart model: the inner layers rank 14, 13, 12, … 1, then 15 … 28.
 INFLUENCE = [1.0] + [0.5 - 0.01 * layer if layer < 15 else 0.5 + 0.01 * layer for layer in range(1, 29)] + [1.0]
@@ -35,6 +38,11 @@ def as_recorded(study: dict) -> dict:
 def test_rewritten_studies_resolve_to_the_runs_they_had_before(path):
     recorded = as_recorded(load_study(REPO / path, root=REPO))
     added = ADDED.get(path, [])
+    if path in RUNS_ADDED:
+        source, names = RUNS_ADDED[path]
+        from_source = {run["name"]: run for run in as_recorded(load_study(REPO / source, root=REPO))["runs"]}
+        assert [run for run in recorded["runs"] if run["name"] in names] == [from_source[name] for name in names]
+        recorded["runs"] = [run for run in recorded["runs"] if run["name"] not in names]
     assert [key for key in recorded if key not in added] == list(BEFORE[path])  # same sections, same order
     # every run: the same name, config and overrides, keys in the same order (the training command's order)
     assert [json.dumps(run) for run in recorded["runs"]] == [json.dumps(run) for run in BEFORE[path]["runs"]]

@@ -2,7 +2,8 @@
 # The attribution study's runs, most informative first (the driver skips every (run, seed) that has a result JSON
 # and resumes one that has a checkpoint, so this can be restarted at any time):
 #   1. seed 1, then seed 2, of the ranked arms at both levels ((a)–(d) and the recipe); 2. seeds 1–2 of the
-#   layer-dropping line; 3. the (e) arms; 4. seed 2 of the ≈ 0.72 recipe; 5. seeds 1–2 of dense.
+#   layer-dropping line; 3. the (e) arms; 4. seed 2 of the ≈ 0.72 recipe; 5. seeds 1–2 of dense; 6. the ≈ 0.90 recipe
+#   and layer dropping 4, three seeds each.
 # One thread per run, so two studies can share a 2-core machine. In the background, on idle time only:
 #   bash scripts/background.sh start attribution bash experiments/attribution/queue.sh
 # then `python experiments/study.py aggregate experiments/attribution` as runs land.
@@ -28,4 +29,8 @@ for seed in 1 2; do
 done
 run 2 stt_d6_bi10_all_rlr10
 run 1 dense; run 2 dense
+# the ≈ 0.90 recipe and layer dropping 4 on the test windows (§5: chosen and scored on validation in budget_cpu200)
+for seed in 0 1 2; do
+    for name in stt_d4_bi2_g625_all_nocurr_fixedcrit_bias_rlr10 layerdrop_4_distill_bias; do run "$seed" "$name"; done
+done
 echo "== attribution queue done"
