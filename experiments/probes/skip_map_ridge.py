@@ -29,6 +29,7 @@ import torch
 from omegaconf import OmegaConf
 
 from torchtune_dtf.recipes.routed_finetune import RoutedFinetuneRecipe
+from torchtune_dtf.recipes.stock import merge_overrides
 from torchtune_dtf.training.skip_bias_init import fit_skip_linear_maps
 
 
@@ -64,7 +65,7 @@ def main() -> None:
     parser.add_argument("--ridges", type=float, nargs="+", required=True)
     parser.add_argument("--out", required=True, help="the result JSON")
     args, overrides = parser.parse_known_args()
-    cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(overrides))
+    cfg = merge_overrides(OmegaConf.to_container(OmegaConf.load(args.config)), overrides)  # as `tune run` merges
     if cfg.model.get("skip_update") != "linear":
         raise ValueError(f"{args.config}: model.skip_update is {cfg.model.get('skip_update')!r}; the probe needs 'linear'")
     torch.manual_seed(int(cfg.seed))
