@@ -86,3 +86,16 @@ def test_a_recommended_recipe_is_the_study_run_it_reports(level):
     for key in ("output_dir", "save_every_n_steps", "validation.every_n_steps"):
         OmegaConf.update(expected, key, OmegaConf.select(shipped, key))
     assert OmegaConf.to_container(shipped, resolve=False) == OmegaConf.to_container(expected, resolve=False)
+
+
+def test_in_training_validation_never_reads_the_test_works():
+    """The quickstart scores a finished run once on ``corpus/test.jsonl``; every choice, in-training validation
+    included, reads ``corpus/validation.jsonl``. ``heldout.jsonl`` (validation then test) would hand the test works
+    to a user who raises ``validation.max_batches``."""
+    corpus_files = {}
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        data_files = OmegaConf.select(OmegaConf.load(path), "dataset_val.data_files")
+        if isinstance(data_files, str) and "quickstart_work/corpus/" in data_files:
+            corpus_files[path.relative_to(REPO).as_posix()] = Path(data_files).name
+    assert len(corpus_files) >= 11, corpus_files  # every quickstart training config validates
+    assert {name for name in corpus_files.values()} == {"validation.jsonl"}, corpus_files

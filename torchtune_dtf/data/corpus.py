@@ -29,7 +29,9 @@ What :func:`prepare_corpus` does:
    the others. Every choice (shape, technique, learning rate, in-training validation) reads the validation
    file; a finished run is scored once on the test file. Earlier studies read only the head of
    ``heldout.jsonl`` (its first work), which is the head of ``validation.jsonl``: the test works were never
-   looked at. ``heldout.jsonl`` stays, validation then test, so earlier numbers reproduce.
+   looked at. ``heldout.jsonl`` stays, validation then test, so the earlier studies' numbers reproduce; the
+   shipped configs' ``dataset_val`` reads ``validation.jsonl`` (the same first windows), so raising
+   ``validation.max_batches`` can never reach the test works.
 6. **Write a multiple-choice task** from the held-out text (:func:`make_next_sentence_items`): given a few
    sentences of context, pick the true next sentence among 4 (3 distractors are sentences of similar length
    from other held-out works, or with ``task_distractors="same_work"`` from elsewhere in the same work),

@@ -3,7 +3,7 @@
     python -m torchtune_dtf.evaluation.routing_report \
         --dense configs/quickstart/dense_smollm2.yaml quickstart_work/dense/epoch_0 \
         --routed configs/quickstart/recommended_0_81_linear_smollm2.yaml quickstart_work/recommended_0_81_linear/epoch_0 \
-        --heldout quickstart_work/corpus/heldout.jsonl --windows 16 --seq-len 256 [key=value ...]
+        --heldout quickstart_work/corpus/validation.jsonl --windows 16 --seq-len 256 [key=value ...]
 
     # the quickstart's side-by-side: test windows spread over the test works, an interval, speed, continuations
     python -m torchtune_dtf.evaluation.routing_report --dense ... --routed ... \
