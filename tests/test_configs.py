@@ -98,4 +98,4 @@ def test_in_training_validation_never_reads_the_test_works():
         if isinstance(data_files, str) and "quickstart_work/corpus/" in data_files:
             corpus_files[path.relative_to(REPO).as_posix()] = Path(data_files).name
     assert len(corpus_files) >= 11, corpus_files  # every quickstart training config validates
-    assert {name for name in corpus_files.values()} == {"validation.jsonl"}, corpus_files
+    assert set(corpus_files.values()) == {"validation.jsonl"}, corpus_files
