@@ -13,13 +13,13 @@ import json
 import os
 import statistics
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from experiments.plots import GAP_KEY, TITLES, claims_plot, dynamic_runs, gaps_plot, make_plots, surprise_runs
 from experiments.results import (METRIC, METRICS, Results, in_training_results, layer_mean_curve, layer_values,
                                  load_results, mean_curve, paired_curve_difference, unexplained_update_share)
 from experiments.spec import run_id
-from experiments.stats import finite, paired_difference, seed_window_bootstrap, slope
+from experiments.stats import finite, line_at, paired_difference, seed_window_bootstrap, slope
 from experiments.training import stale_keys
 
 
@@ -68,14 +68,41 @@ def test_section(order: List[str], runs: Results, baselines: List[str], resample
     return lines + [""]
 
 
+def _bootstrap_against_line(run: List[dict], line: Dict[str, List[dict]], resamples: int) -> Optional[dict]:
+    """Run − the baseline line at the run's measured FLOPs on the test windows: per seed the line's window losses
+    interpolated between the line's runs of that seed that bracket the run's FLOPs (``stats.line_at``), then the
+    seed × window bootstrap. Only seeds on which every run of the line was scored count: a seed missing one would be
+    measured against a different line. None when no seed counts, or the run costs more than every line run."""
+    pairs = []
+    for r in run:
+        points = [(METRIC["fwd FLOPs ratio"](m), m["test"]["window_losses"])
+                  for results in line.values() for m in results if m["seed"] == r["seed"]]
+        if len(points) < len(line):
+            continue
+        at = line_at(points, METRIC["fwd FLOPs ratio"](r))
+        if at is not None:
+            pairs.append((r["test"]["window_losses"], at))
+    return seed_window_bootstrap(pairs, resamples=resamples, seed=0) if pairs else None
+
+
+def _interval(boot: Optional[dict]) -> List[str]:
+    """The two table cells of a bootstrap: mean (seeds) and interval, or dashes."""
+    if boot is None:
+        return ["–", "–"]
+    return [f"{boot['mean']:+.3f} (n {boot['n_seeds']})", f"[{boot['interval'][0]:+.3f}, {boot['interval'][1]:+.3f}]"]
+
+
 def comparison_section(comparison: dict, runs: Results, expected_seeds: Sequence[int],
                        resamples: int = 2000) -> List[str]:
     """One verdict of the study's ``comparisons``: the ranked arms (runs that compete for one budget, e.g. who
     makes a routed layer's decisions on one shape) ordered by test loss, each one's difference from the best with
     its seed × window bootstrap interval, the arms ``beside`` them (other FLOPs: not ranked) against the same best,
-    and a sentence naming the best arm and its margin over the runner-up."""
+    and a sentence naming the best arm and its margin over the runner-up. With a ``line`` (runs at other FLOPs, e.g.
+    layer dropping 7 and 8), each arm is also measured against that line at its own measured FLOPs, and a sentence
+    says where the best arm falls: the question "does routing beat dropping more layers at equal cost"."""
+    line_runs = list(comparison.get("line") or [])
     scored = {run: [r for r in runs.get(run, []) if r.get("test")] for run in
-              [*comparison["ranked"].values(), *(comparison.get("beside") or {}).values()]}
+              dict.fromkeys([*comparison["ranked"].values(), *(comparison.get("beside") or {}).values(), *line_runs])}
     mean_loss = {run: statistics.fmean(r["test"]["student_loss"] for r in results)
                  for run, results in scored.items() if results}
     lines = [f"### {comparison['title']}", ""]
@@ -85,8 +112,10 @@ def comparison_section(comparison: dict, runs: Results, expected_seeds: Sequence
         return lines + ["No ranked arm has been scored on the test windows yet.", ""]
     best_label = ranked[0]
     best = comparison["ranked"][best_label]
-    lines += [f"| arm | run | seeds | fwd FLOPs ratio | test loss | Δ vs best (`{best}`) | 95 % CI |",
-              "|---|---|---|---|---|---|---|"]
+    line = {run: scored[run] for run in line_runs}
+    header = f"| arm | run | seeds | fwd FLOPs ratio | test loss | Δ vs best (`{best}`) | 95 % CI |"
+    lines += [header + (" Δ vs the line at its FLOPs | 95 % CI |" if line else ""),
+              "|---|---|---|---|---|---|---|" + ("---|---|" if line else "")]
     rows = [(label, comparison["ranked"][label], "") for label in ranked]
     rows += [(label, run, "") for label, run in comparison["ranked"].items() if run not in mean_loss]
     rows += [(label, run, " (beside, not ranked)") for label, run in (comparison.get("beside") or {}).items()]
@@ -97,8 +126,9 @@ def comparison_section(comparison: dict, runs: Results, expected_seeds: Sequence
                  fmt_mean_std([METRIC["fwd FLOPs ratio"](r) for r in results], 3),
                  fmt_mean_std([r["test"]["student_loss"] for r in results], 3)]
         boot = against_best[run] = _bootstrap_against(results, scored[best], resamples) if run != best else None
-        cells += ([f"{boot['mean']:+.3f} (n {boot['n_seeds']})", f"[{boot['interval'][0]:+.3f}, {boot['interval'][1]:+.3f}]"]
-                  if boot else ["best" if run == best else "–", "–"])
+        cells += _interval(boot) if boot else ["best" if run == best else "–", "–"]
+        if line:  # a run of the line is on it by definition
+            cells += ["on the line", "–"] if run in line else _interval(_bootstrap_against_line(results, line, resamples))
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if len(ranked) > 1:
@@ -114,10 +144,35 @@ def comparison_section(comparison: dict, runs: Results, expected_seeds: Sequence
             lines.append(f"Best: {best_label} (`{best}`, test loss {mean_loss[best]:.3f}), ahead of the runner-up "
                          f"{runner_label} by {boot['mean']:.3f} nats [{low:+.3f}, {high:+.3f}] over {boot['n_seeds']} "
                          f"paired seed(s) × {boot['windows']} windows; {separated}.")
+    if line:
+        lines.append(_line_verdict(best_label, best, scored[best], line, resamples))
     short = [f"`{run}` ({len(scored[run])})" for run in scored if len(scored[run]) < len(expected_seeds)]
     if short:
         lines.append(f"Partial: fewer than {len(expected_seeds)} seeds scored for {', '.join(short)}.")
     return lines + [""]
+
+
+def _line_verdict(label: str, run: str, results: List[dict], line: Dict[str, List[dict]], resamples: int) -> str:
+    """The sentence that places the best arm against the line at its own FLOPs."""
+    through = ", ".join(f"`{name}` ({statistics.fmean(METRIC['fwd FLOPs ratio'](r) for r in rs):.3f})"
+                        for name, rs in line.items() if rs)
+    boot = _bootstrap_against_line(results, line, resamples)
+    if boot is None:
+        return (f"Against the line through {through or 'its runs'}: {label} (`{run}`) shares no seed on which every "
+                "run of the line was scored yet.")
+    flops = statistics.fmean(METRIC["fwd FLOPs ratio"](r) for r in results)
+    cheapest = min((statistics.fmean(METRIC["fwd FLOPs ratio"](r) for r in rs) for rs in line.values() if rs))
+    where = (f" (it costs less than every run of the line: measured against the cheapest, which spends more)"
+             if flops < cheapest else "")
+    low, high = boot["interval"]
+    side = ("below the line: better than dropping layers at its cost" if high < 0 else
+            "above the line: worse than dropping layers at its cost" if low > 0 else
+            "the interval includes 0: level with the line")
+    if boot["n_seeds"] < 2:
+        side += " (one seed: the interval covers text sampling, not training noise)"
+    return (f"Against the line through {through}, interpolated per seed at the arm's measured FLOPs: {label} "
+            f"(`{run}`, {flops:.3f}) is {boot['mean']:+.3f} nats [{low:+.3f}, {high:+.3f}] over {boot['n_seeds']} "
+            f"paired seed(s) × {boot['windows']} windows{where}; {side}.")
 
 
 def comparisons_section(comparisons: Sequence[dict], runs: Results, expected_seeds: Sequence[int]) -> List[str]:
@@ -128,7 +183,10 @@ def comparisons_section(comparisons: Sequence[dict], runs: Results, expected_see
              "Per comparison, the ranked arms compete for one budget; Δ = arm − the best ranked arm (lowest mean test "
              "loss over its seeds), averaged over the seeds both have, with a 95 % interval from 2000 bootstrap "
              "resamples of seeds (paired by seed) and windows (paired by window). Arms beside the ranking (other FLOPs) "
-             "are measured against the same best.", ""]
+             "are measured against the same best. Where a comparison names a line (layer dropping at neighbouring "
+             "FLOPs), every arm is also measured against it: per seed, the line's window losses interpolated linearly "
+             "in FLOPs between its two runs that bracket the arm's measured FLOPs (the cheapest run's below them all), "
+             "then the same bootstrap.", ""]
     for comparison in comparisons:
         lines += comparison_section(comparison, runs, expected_seeds)
     return lines

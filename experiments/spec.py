@@ -33,6 +33,8 @@ Study file (YAML)
       - title: same shape, who routes                  #   arms that compete for one budget (labels: run names);
         ranked: {surprise: stt_papers, MoD: mod_papers}  # the page names the best and its margin over the rest
         beside: {dense: dense}                         # optional: shown against that best, not ranked
+        line: [layerdrop_7, layerdrop_8]               # optional: runs at other FLOPs (two or more) every arm is
+                                                       #   measured against, interpolated at the arm's own FLOPs
     runs:
       - name: dense
         config: configs/quickstart/dense_smollm2.yaml
@@ -82,24 +84,30 @@ def _claims_problems(claims: Any, names: List[str]) -> List[str]:
 
 
 def _comparisons_problems(comparisons: Any, names: List[str]) -> List[str]:
-    """What is wrong with a ``comparisons`` section: a list of ``{title, ranked: {label: run}, beside: {label: run}}``
-    with at least two ranked arms, every arm a run name and no run twice in one comparison."""
+    """What is wrong with a ``comparisons`` section: a list of ``{title, ranked: {label: run}, beside: {label: run},
+    line: [run, ...]}`` with at least two ranked arms, every arm a run name, no run twice among the arms, and a line
+    (optional) of two or more runs of the study."""
     if not isinstance(comparisons, list):
-        return [f"comparisons must be a list of {{title, ranked, beside}}, got {comparisons!r}"]
+        return [f"comparisons must be a list of {{title, ranked, beside, line}}, got {comparisons!r}"]
     problems = []
     for i, comparison in enumerate(comparisons):
         where = f"comparisons[{i}]"
-        if not isinstance(comparison, dict) or not set(comparison) <= {"title", "ranked", "beside"}:
-            problems.append(f"{where} must be {{title, ranked, beside}}, got {comparison!r}")
+        if not isinstance(comparison, dict) or not set(comparison) <= {"title", "ranked", "beside", "line"}:
+            problems.append(f"{where} must be {{title, ranked, beside, line}}, got {comparison!r}")
             continue
-        ranked, beside = comparison.get("ranked"), comparison.get("beside") or {}
+        ranked, beside, line = comparison.get("ranked"), comparison.get("beside") or {}, comparison.get("line", [])
         if not isinstance(comparison.get("title"), str):
             problems.append(f"{where} needs a title")
         if not isinstance(ranked, dict) or len(ranked) < 2 or not isinstance(beside, dict):
             problems.append(f"{where}: ranked must map two or more labels to run names (beside: labels to run names)")
             continue
+        if "line" in comparison and (not isinstance(line, list) or len(line) < 2):
+            problems.append(f"{where}: line must list two or more run names (the line is drawn between them), "
+                            f"got {line!r}")
+            line = []
+        line = [str(run) for run in line] if isinstance(line, list) else []
         arms = list(ranked.values()) + list(beside.values())
-        unknown = sorted({str(run) for run in arms} - set(names))
+        unknown = sorted({str(run) for run in arms + line} - set(names))
         if unknown:
             problems.append(f"{where} {unknown} are not run names")
         if len(set(map(str, arms))) != len(arms):

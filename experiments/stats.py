@@ -91,3 +91,27 @@ def lowest_at_equal_flops(points: Sequence[Tuple[float, float]], digits: Optiona
         key = flops if digits is None else round(flops, digits)
         lowest[key] = min(loss, lowest.get(key, loss))
     return sorted(lowest.items())
+
+
+def line_at(points: Sequence[Tuple[float, Sequence[float]]], flops: float) -> Optional[List[float]]:
+    """A baseline line's per-window losses at ``flops``: ``points`` are its runs at one seed as (FLOPs ratio, the
+    losses of the same windows), e.g. layer dropping 7 and 8. Linear in FLOPs between the two runs that bracket
+    ``flops``, window by window; the cheapest run's losses below them all (a candidate cheaper than every run of the
+    line is measured against that run, which spends more); None above them all (the line says nothing there). Runs
+    at the same FLOPs (the same dropped layers with and without distillation) give the line the lower mean loss:
+    the stronger baseline there."""
+    strongest: Dict[float, List[float]] = {}
+    for x, losses in points:
+        losses = [float(v) for v in losses]
+        if x not in strongest or statistics.fmean(losses) < statistics.fmean(strongest[x]):
+            strongest[x] = losses
+    line = sorted(strongest.items())
+    if not line:
+        return None
+    if flops <= line[0][0]:
+        return line[0][1]
+    for (x0, y0), (x1, y1) in zip(line, line[1:]):
+        if x0 <= flops <= x1:
+            w = (flops - x0) / (x1 - x0)
+            return [a + w * (b - a) for a, b in zip(y0, y1)]
+    return None

@@ -569,6 +569,52 @@ def test_a_comparison_ranks_its_arms_on_the_test_windows_and_measures_each_again
         "No ranked arm has been scored on the test windows yet.")
 
 
+def test_a_comparison_measures_each_arm_against_the_layer_dropping_line_at_its_own_flops():
+    import random
+
+    rng = random.Random(1)
+    noise = {seed: [rng.gauss(0, 0.3) for _ in range(64)] for seed in (0, 1)}
+
+    def arm(offset, flops, seeds=(0, 1)):
+        return [_scored(s, [3.0 + offset + n for n in noise[s]], flops) for s in seeds]
+
+    # The line: 4.0 at 0.70 FLOPs, 3.6 at 0.80 → 3.76 at 0.76. "under" sits 0.05 below the line at its cost,
+    # "over" 0.05 above; "cheap" costs less than every run of the line and is measured against the cheapest.
+    runs = {"drop_more": arm(1.0, 0.70), "drop_less": arm(0.6, 0.80), "under": arm(0.71, 0.76),
+            "over": arm(0.81, 0.76), "cheap": arm(0.95, 0.65), "dear": arm(0.0, 0.90)}
+    comparison = {"title": "one level", "ranked": {"(a) under": "under", "(c) over": "over", "(d) cheap": "cheap"},
+                  "beside": {"drop 7": "drop_less", "dense-ish": "dear"}, "line": ["drop_less", "drop_more"]}
+    lines = comparison_section(comparison, runs, expected_seeds=[0, 1])
+    def table(lines):
+        return {row[1].strip("`"): row for row in (line.split(" | ") for line in lines if line.startswith("| "))
+                if row[1].startswith("`")}
+
+    rows = table(lines)
+    assert rows["under"][7] == "-0.050 (n 2)" and rows["over"][7] == "+0.050 (n 2)"
+    assert rows["cheap"][7] == "-0.050 (n 2)"  # against drop_more (4.0), not extrapolated
+    assert rows["drop_less"][7] == "on the line" and rows["dear"][7] == "–"  # dearer than every run: no verdict
+    low, high = (float(v) for v in rows["under"][8].strip(" |[]").split(", "))
+    assert low <= -0.050 <= high and high < 0  # the windows are shared: the line's noise cancels
+    verdict = next(line for line in lines if line.startswith("Against the line"))
+    assert "(a) under (`under`, 0.760) is -0.050 nats" in verdict and "below the line" in verdict
+    # A seed on which the line lacks one of its runs is measured against nothing, not against a shorter line.
+    runs["drop_more"] = runs["drop_more"][:1]
+    rows = table(comparison_section(comparison, runs, [0, 1]))
+    assert rows["under"][7] == "-0.050 (n 1)"
+    verdict = next(line for line in comparison_section(comparison, runs, [0, 1]) if line.startswith("Against"))
+    assert "one seed" in verdict
+
+
+def test_the_line_interpolates_window_by_window_and_takes_the_stronger_twin():
+    from experiments.stats import line_at
+
+    line = [(0.8, [3.0, 4.0]), (0.7, [4.0, 5.0]), (0.8, [3.5, 3.5])]  # two runs at 0.8: the lower mean (3.5) wins
+    assert line_at(line, 0.75) == pytest.approx([3.5, 4.5])
+    assert line_at(line, 0.8) == pytest.approx([3.0, 4.0])
+    assert line_at(line, 0.6) == pytest.approx([4.0, 5.0])  # cheaper than every run: the cheapest run
+    assert line_at(line, 0.9) is None and line_at([], 0.5) is None
+
+
 def aggregated_copy(study: str, tmp_path: Path):
     """(page text, spec, runs) of a committed study's run files aggregated afresh in ``tmp_path``."""
     source = REPO / "experiments" / study
@@ -596,6 +642,23 @@ def test_committed_attribution_verdicts_are_the_paired_test_differences_of_their
             delta = sum(sum(a - b for a, b in zip(losses[run][s], losses[best][s])) / len(losses[run][s])
                         for s in seeds) / len(seeds)
             assert row[5] == f"{delta:+.3f} (n {len(seeds)})", (run, row)
+        # Against the line: per seed on which every line run was scored, the line interpolated at the arm's FLOPs.
+        line = comparison["line"]
+        line_results = {run: {r["seed"]: r for r in runs[run]} for run in line}
+        for run in comparison["ranked"].values():
+            diffs = []
+            for r in runs[run]:
+                if not all(r["seed"] in line_results[name] for name in line):
+                    continue
+                flops = r["compute"]["forward_flops_ratio"]
+                points = sorted((line_results[name][r["seed"]]["compute"]["forward_flops_ratio"],
+                                 line_results[name][r["seed"]]["test"]["window_losses"]) for name in line)
+                (x0, y0), (x1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if a[0] <= flops <= b[0]),
+                                          (points[0], points[0]))
+                weight = 0.0 if x1 == x0 else (flops - x0) / (x1 - x0)
+                on_line = [a + weight * (b - a) for a, b in zip(y0, y1)]
+                diffs.append(sum(a - b for a, b in zip(r["test"]["window_losses"], on_line)) / len(on_line))
+            assert rows[run][7] == f"{sum(diffs) / len(diffs):+.3f} (n {len(diffs)})", (run, rows[run])
 
 
 def test_study_comparisons_must_rank_two_runs_of_the_study(tmp_path):
@@ -609,6 +672,8 @@ def test_study_comparisons_must_rank_two_runs_of_the_study(tmp_path):
         ([{"title": "t", "ranked": {"a": "stt", "b": "mod_50"}}], r"comparisons\[0\] \['mod_50'\] are not run names"),
         ([{"title": "t", "ranked": {"a": "stt"}}], r"ranked must map two or more labels"),
         ([{"title": "t", "ranked": {"a": "stt", "b": "dense"}, "beside": {"c": "stt"}}], r"names a run twice"),
+        ([{"title": "t", "ranked": {"a": "stt", "b": "dense"}, "line": ["dense"]}], r"line must list two or more"),
+        ([{"title": "t", "ranked": {"a": "stt", "b": "dense"}, "line": ["dense", "ld_9"]}], r"\['ld_9'\] are not run"),
         ({"title": "t"}, r"comparisons must be a list"),
     ]:
         path.write_text(json.dumps({**spec, "comparisons": comparisons}))

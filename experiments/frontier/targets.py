@@ -127,18 +127,10 @@ def teacher_flops_by_seed(results):
 
 def family_at(points, flops: float):
     """A baseline family's loss at ``flops``: ``points`` are its (FLOPs, loss) at one seed; linear between the two
-    that bracket ``flops``, the cheapest point's loss below them all, None above them all. Runs at the same FLOPs
-    (the same dropped layers trained with and without distillation) give the family their lower loss: the
-    strongest baseline there."""
-    points = stats.lowest_at_equal_flops(points)
-    if not points:
-        return None
-    if flops <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x0 <= flops <= x1:
-            return y0 + (y1 - y0) * (flops - x0) / (x1 - x0)
-    return None
+    that bracket ``flops``, the cheapest point's loss below them all, None above them all, the lower loss where two
+    runs share FLOPs (``stats.line_at`` with one value per run)."""
+    value = stats.line_at([(x, [loss]) for x, loss in points], flops)
+    return None if value is None else value[0]
 
 
 def matched(candidate, family, runs, losses, at=None):
