@@ -35,6 +35,7 @@ Study file (YAML)
         beside: {dense: dense}                         # optional: shown against that best, not ranked
         line: [layerdrop_7, layerdrop_8]               # optional: runs at other FLOPs (two or more) every arm is
                                                        #   measured against, interpolated at the arm's own FLOPs
+                                                       #   (with a line, one ranked arm is enough)
     runs:
       - name: dense
         config: configs/quickstart/dense_smollm2.yaml
@@ -85,8 +86,8 @@ def _claims_problems(claims: Any, names: List[str]) -> List[str]:
 
 def _comparisons_problems(comparisons: Any, names: List[str]) -> List[str]:
     """What is wrong with a ``comparisons`` section: a list of ``{title, ranked: {label: run}, beside: {label: run},
-    line: [run, ...]}`` with at least two ranked arms, every arm a run name, no run twice among the arms, and a line
-    (optional) of two or more runs of the study."""
+    line: [run, ...]}`` with at least two ranked arms (one where a line is given: a recipe against the line), every
+    arm a run name, no run twice among the arms, and a line (optional) of two or more runs of the study."""
     if not isinstance(comparisons, list):
         return [f"comparisons must be a list of {{title, ranked, beside, line}}, got {comparisons!r}"]
     problems = []
@@ -98,8 +99,10 @@ def _comparisons_problems(comparisons: Any, names: List[str]) -> List[str]:
         ranked, beside, line = comparison.get("ranked"), comparison.get("beside") or {}, comparison.get("line", [])
         if not isinstance(comparison.get("title"), str):
             problems.append(f"{where} needs a title")
-        if not isinstance(ranked, dict) or len(ranked) < 2 or not isinstance(beside, dict):
-            problems.append(f"{where}: ranked must map two or more labels to run names (beside: labels to run names)")
+        fewest = 1 if comparison.get("line") else 2  # one arm is a verdict only against a line
+        if not isinstance(ranked, dict) or len(ranked) < fewest or not isinstance(beside, dict):
+            problems.append(f"{where}: ranked must map two or more labels to run names, or one with a line "
+                            "(beside: labels to run names)")
             continue
         if "line" in comparison and (not isinstance(line, list) or len(line) < 2):
             problems.append(f"{where}: line must list two or more run names (the line is drawn between them), "

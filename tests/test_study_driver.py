@@ -597,6 +597,12 @@ def test_a_comparison_measures_each_arm_against_the_layer_dropping_line_at_its_o
     assert low <= -0.050 <= high and high < 0  # the windows are shared: the line's noise cancels
     verdict = next(line for line in lines if line.startswith("Against the line"))
     assert "(a) under (`under`, 0.760) is -0.050 nats" in verdict and "below the line" in verdict
+    # One recipe alone (nothing to rank it against) still gets its verdict against the line.
+    alone = comparison_section({"title": "a recipe", "ranked": {"the recipe": "over"}, "line": ["drop_less", "drop_more"]},
+                               runs, [0, 1])
+    assert not any(line.startswith("Best:") for line in alone)
+    assert any(line.startswith("Against the line") and "+0.050 nats" in line and "above the line" in line
+               for line in alone)
     # A seed on which the line lacks one of its runs is measured against nothing, not against a shorter line.
     runs["drop_more"] = runs["drop_more"][:1]
     rows = table(comparison_section(comparison, runs, [0, 1]))
@@ -631,8 +637,11 @@ def test_committed_attribution_verdicts_are_the_paired_test_differences_of_their
         table = section.split(f"### {comparison['title']}")[1].split("\n### ")[0]
         rows = {line.split(" | ")[1].strip("`"): line.split(" | ") for line in table.splitlines() if line.startswith("| ")
                 and "`" in line.split(" | ")[1]}
-        losses = {run: {r["seed"]: r["test"]["window_losses"] for r in runs[run]} for run in rows}
-        best = min(comparison["ranked"].values(), key=lambda run: sum(
+        losses = {run: {r["seed"]: r["test"]["window_losses"] for r in runs.get(run, [])} for run in rows}
+        if not any(run in rows for run in comparison["ranked"].values()):  # a level not scored yet
+            assert "No ranked arm has been scored on the test windows yet." in table
+            continue
+        best = min((run for run in comparison["ranked"].values() if losses.get(run)), key=lambda run: sum(
             sum(w) / len(w) for w in losses[run].values()) / len(losses[run]))
         assert rows[best][5] == "best"
         for run, row in rows.items():
@@ -644,13 +653,15 @@ def test_committed_attribution_verdicts_are_the_paired_test_differences_of_their
             assert row[5] == f"{delta:+.3f} (n {len(seeds)})", (run, row)
         # Against the line: per seed on which every line run was scored, the line interpolated at the arm's FLOPs.
         line = comparison["line"]
-        line_results = {run: {r["seed"]: r for r in runs[run]} for run in line}
+        line_results = {run: {r["seed"]: r for r in runs.get(run, [])} for run in line}
         for run in comparison["ranked"].values():
             diffs = []
-            for r in runs[run]:
+            for r in runs.get(run, []):
                 if not all(r["seed"] in line_results[name] for name in line):
                     continue
                 flops = r["compute"]["forward_flops_ratio"]
+                if flops > max(line_results[name][r["seed"]]["compute"]["forward_flops_ratio"] for name in line):
+                    continue  # dearer than every run of the line: no verdict
                 points = sorted((line_results[name][r["seed"]]["compute"]["forward_flops_ratio"],
                                  line_results[name][r["seed"]]["test"]["window_losses"]) for name in line)
                 (x0, y0), (x1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if a[0] <= flops <= b[0]),
@@ -658,19 +669,23 @@ def test_committed_attribution_verdicts_are_the_paired_test_differences_of_their
                 weight = 0.0 if x1 == x0 else (flops - x0) / (x1 - x0)
                 on_line = [a + weight * (b - a) for a, b in zip(y0, y1)]
                 diffs.append(sum(a - b for a, b in zip(r["test"]["window_losses"], on_line)) / len(on_line))
-            assert rows[run][7] == f"{sum(diffs) / len(diffs):+.3f} (n {len(diffs)})", (run, rows[run])
+            expected = f"{sum(diffs) / len(diffs):+.3f} (n {len(diffs)})" if diffs else "–"
+            assert rows[run][7] == expected, (run, rows[run])
 
 
 def test_study_comparisons_must_rank_two_runs_of_the_study(tmp_path):
     spec = {"name": "s", "out_dir": "out", "work_dir": "work", "seeds": [0], "heldout": {"file": "h.jsonl"},
-            "runs": [{"name": "dense", "config": "d.yaml"}, {"name": "stt", "config": "s.yaml"}]}
+            "runs": [{"name": "dense", "config": "d.yaml"}, {"name": "stt", "config": "s.yaml"},
+                     {"name": "ld", "config": "l.yaml"}]}
     path = tmp_path / "study.yaml"
-    good = [{"title": "t", "ranked": {"a": "stt", "b": "dense"}}]
+    good = [{"title": "t", "ranked": {"a": "stt", "b": "dense"}},
+            {"title": "one recipe against a line", "ranked": {"a": "stt"}, "line": ["dense", "ld"]}]
     path.write_text(json.dumps({**spec, "comparisons": good}))
     assert load_study(path, root=tmp_path)["comparisons"] == good
     for comparisons, message in [
         ([{"title": "t", "ranked": {"a": "stt", "b": "mod_50"}}], r"comparisons\[0\] \['mod_50'\] are not run names"),
         ([{"title": "t", "ranked": {"a": "stt"}}], r"ranked must map two or more labels"),
+        ([{"title": "t", "ranked": {"a": "stt"}, "line": ["dense"]}], r"line must list two or more"),
         ([{"title": "t", "ranked": {"a": "stt", "b": "dense"}, "beside": {"c": "stt"}}], r"names a run twice"),
         ([{"title": "t", "ranked": {"a": "stt", "b": "dense"}, "line": ["dense"]}], r"line must list two or more"),
         ([{"title": "t", "ranked": {"a": "stt", "b": "dense"}, "line": ["dense", "ld_9"]}], r"\['ld_9'\] are not run"),
