@@ -17,7 +17,7 @@ def heldout_evaluation(saved_config: Path, checkpoint_dir: Path, heldout: Dict[s
     from torchtune import config
 
     from torchtune_dtf.modules import RoutedSelfAttentionLayer, RoutingContext
-    from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, layer_report, load_trained
+    from torchtune_dtf.evaluation.routing_report import heldout_loss, heldout_windows, load_trained, routed_passes
     from torchtune_dtf.evaluation.side_by_side import window_losses
 
     cfg = OmegaConf.load(saved_config)
@@ -32,15 +32,15 @@ def heldout_evaluation(saved_config: Path, checkpoint_dir: Path, heldout: Dict[s
     out: Dict[str, Any] = {
         "file": heldout["file"], "windows": int(heldout["windows"]), "seq_len": int(heldout["seq_len"]),
         "tokens": int(windows[:, 1:].numel()),
-        "student_loss": heldout_loss(model, windows, RoutingContext(mode="student") if routed else None, batch_size),
-        "teacher_loss": None, "teacher_beta": None,
+        "student_loss": None, "teacher_loss": None, "teacher_beta": None,
     }
     layers: Dict[int, Dict[str, float]] = {}
-    if routed:
-        teacher = RoutingContext(mode="teacher", beta_ce=beta_ce, beta_cu=beta_cu)
-        out["teacher_loss"] = heldout_loss(model, windows, teacher, batch_size)
+    if routed:  # one student and one teacher pass give the losses and the per-layer report
+        layers, student_losses, teacher_losses = routed_passes(model, windows, beta_ce, beta_cu, batch_size)
+        out["student_loss"], out["teacher_loss"] = float(student_losses.mean()), float(teacher_losses.mean())
         out["teacher_beta"] = {"ce": beta_ce, "cu": beta_cu}
-        layers = layer_report(model, windows, beta_ce, beta_cu, batch_size)
+    else:
+        out["student_loss"] = heldout_loss(model, windows, None, batch_size)
     result = {"heldout": out, "layers": {str(k): v for k, v in layers.items()}}
     if test:
         start = time.perf_counter()

@@ -437,6 +437,28 @@ def test_readme_own_text_overrides_load_the_users_files_in_the_recipe(workdir):
             assert any(t[:20] in decoded for t in texts) and "river" not in decoded, decoded[:200]
 
 
+# ------------------------------------------------------------------------------------ validation
+@pytest.mark.parametrize("name, passes_per_batch", [("dense_train", 1), ("stt_train", 2)])
+def test_validation_runs_teacher_and_student_only_where_they_differ(name, passes_per_batch, workdir):
+    """A model without routed layers computes the same forward in both modes: validation runs it once per batch
+    and reports that loss for both; a routed model runs both modes. Either way the numbers are the held-out loss of
+    each mode, as computed here batch by batch."""
+    cfg = load_config(name, **{"validation.max_batches": 2})
+    recipe = RoutedFinetuneRecipe(cfg)
+    recipe.setup(cfg)
+    calls = []
+    handle = recipe._model.register_forward_hook(lambda *args: calls.append(1))
+    result = recipe.validate()
+    handle.remove()
+    batches = [batch for _, batch in zip(range(2), recipe._val_dataloader)]
+    assert len(batches) == 2 and len(calls) == passes_per_batch * 2
+    recipe._model.eval()
+    with torch.no_grad():
+        for mode in ("student", "teacher"):
+            expected = sum(recipe._lm_loss(b, recipe._routing_context(mode)).item() for b in batches) / 2
+            assert result[f"val/lm_loss_{mode}"] == pytest.approx(expected, rel=1e-5)
+
+
 # ------------------------------------------------------------------------------------ run summary
 def test_short_run_logs_its_last_step_and_a_summary(workdir, caplog):
     """log_every_n_steps 10 on a 3-step run: the metric log still holds step 3 and the summary; the summary's

@@ -149,15 +149,20 @@ def _window_losses(model, windows: torch.Tensor, routing: Optional[RoutingContex
 
 
 @torch.no_grad()
-def layer_report(model, windows: torch.Tensor, beta_ce: float, beta_cu: float, batch_size: int) -> Dict[int, Dict[str, float]]:
-    """Per routed layer, averaged over batches: student executed fraction, teacher fraction, agreement."""
+def routed_passes(model, windows: torch.Tensor, beta_ce: float, beta_cu: float,
+                  batch_size: int) -> Tuple[Dict[int, Dict[str, float]], torch.Tensor, torch.Tensor]:
+    """One student and one teacher (at ``beta_ce``/``beta_cu``) forward per batch of ``windows [n, seq_len]``:
+    per routed layer the student's executed fraction, the teacher's and their agreement, averaged over batches, and
+    the ``[n]`` student and teacher loss of each window from the same passes (what :func:`heldout_loss` gives with
+    a pass of its own per mode)."""
     sums: Dict[str, float] = {}
+    losses: Dict[str, List[torch.Tensor]] = {"student": [], "teacher": []}
     batches = 0
     for batch in windows.split(batch_size):
         student = RoutingContext(mode="student")
-        model(batch, routing=student)
+        losses["student"].append(side_by_side.next_token_losses(model(batch, routing=student), batch))
         teacher = RoutingContext(mode="teacher", beta_ce=beta_ce, beta_cu=beta_cu)
-        model(batch, routing=teacher)
+        losses["teacher"].append(side_by_side.next_token_losses(model(batch, routing=teacher), batch))
         for key, value in {**routing_metrics(student, "student"), **routing_metrics(teacher, "teacher")}.items():
             sums[key] = sums.get(key, 0.0) + value
         batches += 1
@@ -165,7 +170,12 @@ def layer_report(model, windows: torch.Tensor, beta_ce: float, beta_cu: float, b
     for key, value in sums.items():
         prefix, layer, name = key.split("/")
         layers.setdefault(int(layer.split("_")[1]), {})[f"{prefix}/{name}"] = value / batches
-    return dict(sorted(layers.items()))
+    return dict(sorted(layers.items())), torch.cat(losses["student"]), torch.cat(losses["teacher"])
+
+
+def layer_report(model, windows: torch.Tensor, beta_ce: float, beta_cu: float, batch_size: int) -> Dict[int, Dict[str, float]]:
+    """Per routed layer, averaged over batches: student executed fraction, teacher fraction, agreement."""
+    return routed_passes(model, windows, beta_ce, beta_cu, batch_size)[0]
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
@@ -212,7 +222,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                     "placement": "spread" if args.spread else "first"},
         "heldout_tokens": int(windows[:, 1:].numel()),
     }
-    # The teacher and the per-layer diagnostics cost three more passes; --diagnostic-windows keeps them short.
+    # The teacher and the per-layer diagnostics cost two more passes; --diagnostic-windows keeps them short.
     diagnostic = windows[: args.diagnostic_windows] if args.diagnostic_windows else windows
     report["diagnostic_windows"] = int(diagnostic.shape[0])
     per_window = {
@@ -220,13 +230,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         "routed_student": _window_losses(routed, windows, RoutingContext(mode="student"), args.batch_size),
     }
     report["loss"] = {name: float(losses.mean()) for name, losses in per_window.items()}
-    report["loss"]["routed_teacher"] = heldout_loss(routed, diagnostic, final, args.batch_size)
+    report["layers"], _, teacher_losses = routed_passes(routed, diagnostic, final.beta_ce, final.beta_cu, args.batch_size)
+    report["loss"]["routed_teacher"] = float(teacher_losses.mean())
     if args.bootstrap:
         low, high = side_by_side.paired_bootstrap(
             per_window["routed_student"], per_window["dense"], resamples=args.bootstrap, seed=0)
         report["student_minus_dense"] = {"mean": report["loss"]["routed_student"] - report["loss"]["dense"],
                                          "interval_95": [low, high], "resamples": args.bootstrap, "paired_by": "window"}
-    report["layers"] = layer_report(routed, diagnostic, final.beta_ce, final.beta_cu, args.batch_size)
     report["flop_ratio"] = closed_form.model_config_flop_ratio(
         OmegaConf.to_container(routed_cfg.model, resolve=True), args.seq_len)
     models = {"dense": dense, "routed": routed}

@@ -29,9 +29,14 @@ def window_losses(model, windows: torch.Tensor, routing: Optional[Callable[[], R
     losses = []
     for batch in windows.split(batch_size):
         logits = model(batch) if routing is None else model(batch, routing=routing())
-        per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), batch[:, 1:], reduction="none")
-        losses.append(per_token.mean(dim=1))
+        losses.append(next_token_losses(logits, batch))
     return torch.cat(losses)
+
+
+def next_token_losses(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """``[b]`` mean next-token cross-entropy of each row: ``logits [b, s, vocab]`` of ``batch [b, s]`` tokens."""
+    per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), batch[:, 1:], reduction="none")
+    return per_token.mean(dim=1)
 
 
 def paired_bootstrap(a: torch.Tensor, b: torch.Tensor, *, resamples: int, seed: int, level: float = 0.95) -> Tuple[float, float]:

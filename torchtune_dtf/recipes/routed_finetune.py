@@ -429,17 +429,22 @@ class RoutedFinetuneRecipe(FTRecipeInterface):
 
     @torch.no_grad()
     def validate(self) -> Dict[str, float]:
-        """Held-out LM loss in student mode (deployed) and teacher mode, averaged over batches."""
+        """Held-out LM loss in student mode (deployed) and teacher mode, averaged over batches. A model without
+        routed layers (dense, layer dropping) runs the same forward in both modes: one pass gives both numbers."""
         self._model.eval()
         totals = {"student": 0.0, "teacher": 0.0}
+        routed = getattr(self._model, "routed_layers", None)
+        one_pass = callable(routed) and not routed()
         batches = 0
         for idx, batch in enumerate(self._val_dataloader):
             if idx >= self._val_max_batches:
                 break
             batch = {k: v.to(self._device) for k, v in batch.items()}
-            for mode in totals:
+            for mode in ("student",) if one_pass else totals:
                 totals[mode] += self._lm_loss(batch, self._routing_context(mode)).item()
             batches += 1
+        if one_pass:
+            totals["teacher"] = totals["student"]
         self._model.train()
         result = torch.tensor([totals["student"], totals["teacher"], batches], dtype=torch.float64, device=self._device)
         if self._distributed:
